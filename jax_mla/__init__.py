@@ -1,0 +1,32 @@
+"""jax_mla: DeepSeek-style Multi-head Latent Attention for JAX over a paged latent KV cache.
+
+Public API:
+  write_kv_cache         write new tokens' ``[kv_c | k_pe]`` rows into the paged cache
+  build_decode_metadata  jnp-built, jittable metadata for one decode/verify step
+  DecodeMetadata         the metadata pytree
+  mla_attention          jitted MLA decode/verify: ``out [T, H, L]`` (+ natural-log ``lse``)
+  merge_attn_states      exact LSE merge of two partial attention results
+  heads                  AITER's head-count rules and exact pad/unpad maps
+  available_backends     backends usable on the current platform
+"""
+
+from jax_mla import heads
+from jax_mla.attention import mla_attention
+from jax_mla.backends import available_backends, register_backend, registered_backends
+from jax_mla.cache import write_kv_cache
+from jax_mla.merge import merge_attn_states
+from jax_mla.metadata import DecodeMetadata, build_decode_metadata
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DecodeMetadata",
+    "available_backends",
+    "build_decode_metadata",
+    "heads",
+    "merge_attn_states",
+    "mla_attention",
+    "register_backend",
+    "registered_backends",
+    "write_kv_cache",
+]

@@ -1,0 +1,102 @@
+"""The paged latent KV cache: layout, writes, fp8 storage.
+
+Layout ``kv_cache [num_pages, page_size, D]`` with ``D = L + R``; each row is ``[kv_c (L) | k_pe
+(R)]`` for one token (DeepSeek: L=512, R=64, so D=576). Token ``slot`` lives at page
+``slot // page_size``, row ``slot % page_size``. One latent KV head is shared by all query heads.
+
+fp8 caches (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2``) store ``x / k_scale`` with one
+per-tensor float32 scale; readers dequantise with ``x = fp8 * k_scale``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPES = tuple(
+    jnp.dtype(d) for d in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
+)
+FLOAT_DTYPES = tuple(jnp.dtype(d) for d in ("bfloat16", "float16", "float32"))
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def check_cache(kv_cache, what: str = "kv_cache") -> None:
+    """Raise a clear error unless ``kv_cache`` is ``[num_pages, page_size, D]`` float or fp8."""
+    if kv_cache.ndim != 3:
+        raise ValueError(
+            f"{what} must be [num_pages, page_size, D], got shape {tuple(kv_cache.shape)}"
+        )
+    dt = jnp.dtype(kv_cache.dtype)
+    if dt not in FLOAT_DTYPES + FP8_DTYPES:
+        raise TypeError(f"{what} dtype {dt} is not one of bf16, fp16, fp32 or fp8")
+
+
+def write_kv_cache(kv_cache, kv_c, k_pe, slot_mapping, *, k_scale=None):
+    """Write new tokens' latents into the paged cache; returns the updated cache.
+
+    Args:
+      kv_cache: ``[num_pages, page_size, L + R]``.
+      kv_c: ``[N, L]`` compressed latents (after the KV norm).
+      k_pe: ``[N, R]`` (or ``[N, 1, R]``) rotary key part.
+      slot_mapping: ``[N]`` int32 flat slots ``page * page_size + row``; ``-1`` (any negative or
+        out-of-range slot) is skipped, as vLLM does for padding tokens and for tokens another DCP
+        rank owns.
+      k_scale: per-tensor float32 scale for fp8 caches (default 1.0); ignored otherwise.
+
+    Jittable. To update in place, donate the cache:
+    ``step = jax.jit(write_kv_cache, donate_argnums=0)``.
+    """
+    check_cache(kv_cache)
+    if k_pe.ndim == 3 and k_pe.shape[1] == 1:
+        k_pe = k_pe[:, 0]
+    if kv_c.ndim != 2 or k_pe.ndim != 2:
+        raise ValueError(
+            f"kv_c must be [N, L] and k_pe [N, R]; got {tuple(kv_c.shape)} and {tuple(k_pe.shape)}"
+        )
+    n, lrank = kv_c.shape
+    if k_pe.shape[0] != n or slot_mapping.shape != (n,):
+        raise ValueError(
+            f"kv_c [N={n}, L], k_pe {tuple(k_pe.shape)} and slot_mapping "
+            f"{tuple(slot_mapping.shape)} must agree on N"
+        )
+    if lrank + k_pe.shape[1] != kv_cache.shape[2]:
+        raise ValueError(
+            f"kv_c width L={lrank} plus k_pe width R={k_pe.shape[1]} must equal the cache width "
+            f"D={kv_cache.shape[2]}"
+        )
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise TypeError(f"slot_mapping must be an integer array, got {slot_mapping.dtype}")
+    return _write(kv_cache, kv_c, k_pe, slot_mapping, k_scale)
+
+
+@jax.jit
+def _write(kv_cache, kv_c, k_pe, slot_mapping, k_scale):
+    num_pages, page_size, d = kv_cache.shape
+    rows = jnp.concatenate([kv_c, k_pe], axis=-1)
+    rows = quantize(rows, kv_cache.dtype, k_scale)
+    cap = num_pages * page_size
+    slots = slot_mapping.astype(jnp.int32)
+    # Skipped slots are pointed past the end and dropped by the scatter.
+    slots = jnp.where((slots < 0) | (slots >= cap), cap, slots)
+    flat = kv_cache.reshape(cap, d).at[slots].set(rows, mode="drop")
+    return flat.reshape(num_pages, page_size, d)
+
+
+def quantize(x, dtype, scale=None):
+    """Cast ``x`` to the cache dtype; fp8 stores ``x / scale`` (scale defaults to 1.0)."""
+    dtype = jnp.dtype(dtype)
+    if is_fp8(dtype):
+        s = jnp.float32(1.0) if scale is None else jnp.asarray(scale, jnp.float32)
+        return (x.astype(jnp.float32) / s).astype(dtype)
+    return x.astype(dtype)
+
+
+def dequantize(x, scale=None):
+    """float32 view of cache rows: ``fp8 * scale`` for fp8, a plain cast otherwise."""
+    y = x.astype(jnp.float32)
+    if is_fp8(x.dtype) and scale is not None:
+        y = y * jnp.asarray(scale, jnp.float32)
+    return y
