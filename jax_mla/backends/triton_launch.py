@@ -1,0 +1,83 @@
+"""One way to launch a ``@triton.jit`` kernel from inside ``jax.jit``, on every platform.
+
+- CUDA / ROCm: ``jax_triton.triton_call``, i.e. jaxlib's native ``triton_kernel_call`` custom call
+  (no Python on the hot path). jax-triton cannot even be imported on a CPU-only jaxlib, so it is
+  imported here lazily, only when lowering for a GPU.
+- CPU: the *same* kernel source runs under Triton's interpreter through
+  ``jax.experimental.buffer_callback`` and ``torch.from_dlpack`` (slow; for CI and small shapes).
+  The interpreter is switched on by ``TRITON_INTERPRET=1`` before triton is first imported.
+
+Kernel arguments are the inputs, then the outputs (jax-triton's convention). Python scalars are
+baked in at compile time: pass values that change from step to step as arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+
+import jax
+
+from jax_mla.config import poison_outputs
+
+GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def triton_importable(platform: str) -> bool:
+    """Whether Triton kernels can run for ``platform`` in this process."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if platform in GPU_PLATFORMS:
+        return importlib.util.find_spec("jax_triton") is not None
+    if platform != "cpu":
+        return False
+    # On CPU only the interpreter runs kernels; it must be chosen before triton is imported.
+    if "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return interpreter_enabled() and importlib.util.find_spec("torch") is not None
+
+
+def triton_call(kernel, *args, grid, out_shapes, platform, num_warps=4, num_stages=2,
+                **constexprs):
+    """Run ``kernel[grid](*args, *outs, **constexprs)``; returns the output arrays (a tuple)."""
+    out_shapes = tuple(out_shapes)
+    if platform in GPU_PLATFORMS:
+        import jax_triton as jt
+
+        outs = jt.triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid,
+                              num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+    return _interpret_call(kernel, args, grid, out_shapes, constexprs)
+
+
+def _interpret_call(kernel, args, grid, out_shapes, constexprs):
+    from jax.experimental import buffer_callback
+
+    arrays = [a for a in args if isinstance(a, jax.Array) or hasattr(a, "shape")]
+    scalars = {i: a for i, a in enumerate(args) if not (isinstance(a, jax.Array) or hasattr(a, "shape"))}
+
+    def callback(ctx, outs, *ins):
+        it = iter(_to_torch(b) for b in ins)
+        call_args = [scalars[i] if i in scalars else next(it) for i in range(len(args))]
+        out_t = [_to_torch(o) for o in outs]
+        if poison_outputs():
+            for o in out_t:
+                o.fill_(float("nan") if o.is_floating_point() else -1)
+        kernel[grid](*call_args, *out_t, **constexprs)
+
+    fn = buffer_callback.buffer_callback(callback, out_shapes)
+    outs = fn(*arrays)
+    return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+
+
+def _to_torch(buf):
+    import torch
+
+    return torch.from_dlpack(buf)
