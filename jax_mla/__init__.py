@@ -14,15 +14,35 @@ from jax_mla import heads
 from jax_mla.attention import mla_attention
 from jax_mla.backends import available_backends, register_backend, registered_backends
 from jax_mla.cache import write_kv_cache
+from jax_mla.dcp import (
+    DcpShardings,
+    dcp_local_metadata,
+    dcp_local_seq_lens,
+    dcp_max_local_pages,
+    dcp_mla_attention,
+    dcp_shard_cache,
+    dcp_shardings,
+    dcp_slot_mapping,
+    dcp_verify_row_lens,
+)
 from jax_mla.merge import merge_attn_states
 from jax_mla.metadata import DecodeMetadata, build_decode_metadata
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DcpShardings",
     "DecodeMetadata",
     "available_backends",
     "build_decode_metadata",
+    "dcp_local_metadata",
+    "dcp_local_seq_lens",
+    "dcp_max_local_pages",
+    "dcp_mla_attention",
+    "dcp_shard_cache",
+    "dcp_shardings",
+    "dcp_slot_mapping",
+    "dcp_verify_row_lens",
     "heads",
     "merge_attn_states",
     "mla_attention",

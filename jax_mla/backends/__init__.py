@@ -90,9 +90,10 @@ def resolve_backend(name: str, platform: str) -> Backend:
 
 
 def _register_builtin() -> None:
-    from jax_mla.backends import xla
+    from jax_mla.backends import triton, xla
 
     register_backend(xla.XlaBackend())
+    register_backend(triton.TritonBackend())
 
 
 _register_builtin()

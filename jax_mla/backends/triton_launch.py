@@ -44,35 +44,47 @@ def triton_importable(platform: str) -> bool:
     return interpreter_enabled() and importlib.util.find_spec("torch") is not None
 
 
-def triton_call(kernel, *args, grid, out_shapes, platform, num_warps=4, num_stages=2,
-                **constexprs):
-    """Run ``kernel[grid](*args, *outs, **constexprs)``; returns the output arrays (a tuple)."""
+def triton_call(kernel, *args, grid, out_shapes, platform, input_output_aliases=None,
+                num_warps=4, num_stages=2, **constexprs):
+    """Run ``kernel[grid](*args, *outs, **constexprs)``; returns the output arrays (a tuple).
+
+    ``input_output_aliases`` maps the index of an array argument (scalars not counted) to the
+    output that reuses its buffer; the kernel still gets both pointers (jax-triton's rule).
+    """
     out_shapes = tuple(out_shapes)
+    aliases = dict(input_output_aliases or {})
     if platform in GPU_PLATFORMS:
         import jax_triton as jt
 
         outs = jt.triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid,
-                              num_warps=num_warps, num_stages=num_stages, **constexprs)
+                              input_output_aliases=aliases, num_warps=num_warps,
+                              num_stages=num_stages, **constexprs)
         return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-    return _interpret_call(kernel, args, grid, out_shapes, constexprs)
+    return _interpret_call(kernel, args, grid, out_shapes, aliases, constexprs)
 
 
-def _interpret_call(kernel, args, grid, out_shapes, constexprs):
+def _is_array(a) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype")
+
+
+def _interpret_call(kernel, args, grid, out_shapes, aliases, constexprs):
     from jax.experimental import buffer_callback
 
-    arrays = [a for a in args if isinstance(a, jax.Array) or hasattr(a, "shape")]
-    scalars = {i: a for i, a in enumerate(args) if not (isinstance(a, jax.Array) or hasattr(a, "shape"))}
+    arrays = [a for a in args if _is_array(a)]
+    scalars = {i: a for i, a in enumerate(args) if not _is_array(a)}
+    aliased_outputs = set(aliases.values())
 
     def callback(ctx, outs, *ins):
         it = iter(_to_torch(b) for b in ins)
         call_args = [scalars[i] if i in scalars else next(it) for i in range(len(args))]
         out_t = [_to_torch(o) for o in outs]
         if poison_outputs():
-            for o in out_t:
-                o.fill_(float("nan") if o.is_floating_point() else -1)
+            for j, o in enumerate(out_t):
+                if j not in aliased_outputs:
+                    o.fill_(float("nan") if o.is_floating_point() else -1)
         kernel[grid](*call_args, *out_t, **constexprs)
 
-    fn = buffer_callback.buffer_callback(callback, out_shapes)
+    fn = buffer_callback.buffer_callback(callback, out_shapes, input_output_aliases=aliases)
     outs = fn(*arrays)
     return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 

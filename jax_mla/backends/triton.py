@@ -1,0 +1,154 @@
+"""``backend="triton"``: the split-KV Triton kernels of ``kernels/triton/decode.py`` in jit.
+
+On CUDA/ROCm the kernels become native XLA custom calls through jax-triton; on CPU they run
+under Triton's interpreter (CI). The split schedule comes from the metadata when it was planned
+for this shape (``build_decode_metadata(..., num_heads=H)``), else it is planned here, in jnp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_mla.backends.triton_launch import GPU_PLATFORMS, triton_call, triton_importable
+from jax_mla.cache import is_fp8
+from jax_mla.schedule import SplitSchedule, plan_splits
+
+_LOG2E = 1.4426950408889634
+# Rows (query tokens x heads) one program's MMA tile holds at most: the float32 accumulator is
+# [rows, 512], which is what the register file bounds.
+_MAX_ROWS = 64
+_CTAS_PER_SM = 2
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    heads_per_block: int  # HB
+    num_head_blocks: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> KernelConfig:
+    """Tile shape for ``H`` heads x ``Q`` tokens (tuned on the H200; see benchmarks/results)."""
+    if qlen * num_heads <= _MAX_ROWS:
+        hb = num_heads
+    else:
+        hb = max(1, _MAX_ROWS // qlen)
+    nhb = -(-num_heads // hb)
+    block_m = max(16, _next_pow2(qlen * hb))
+    if platform not in GPU_PLATFORMS:
+        # Interpreter: small tiles keep CI fast and exercise several tiles per work.
+        return KernelConfig(hb, nhb, block_m, 16, 1, 1)
+    block_n = int(os.environ.get("JAX_MLA_TRITON_BLOCK_N", 64 if block_m <= 32 else 32))
+    num_warps = int(os.environ.get("JAX_MLA_TRITON_WARPS", 4 if block_m <= 32 else 8))
+    num_stages = int(os.environ.get("JAX_MLA_TRITON_STAGES", 2))
+    return KernelConfig(hb, nhb, block_m, block_n, num_warps, num_stages)
+
+
+def num_sms(platform: str) -> int:
+    if platform in GPU_PLATFORMS:
+        return int(getattr(jax.devices()[0], "core_count", 132) or 132)
+    return 4
+
+
+def target_works(cfg: KernelConfig, platform: str) -> int:
+    return max(1, num_sms(platform) * _CTAS_PER_SM // cfg.num_head_blocks)
+
+
+def plan(metadata, num_heads: int, platform: str) -> SplitSchedule:
+    """The split schedule this backend would use for ``metadata`` and ``num_heads``."""
+    cfg = kernel_config(num_heads, metadata.qlen, metadata.page_size, platform)
+    return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, qlen=metadata.qlen,
+                       block_n=cfg.block_n, target_works=target_works(cfg, platform),
+                       num_head_blocks=cfg.num_head_blocks)
+
+
+class TritonBackend:
+    name = "triton"
+
+    def is_available(self, platform: str) -> bool:
+        return triton_importable(platform)
+
+    def check(self, problem) -> None:
+        return None
+
+    def padded_heads(self, problem) -> int:
+        return problem.num_heads  # the kernel masks partial head blocks itself
+
+    def plan(self, metadata, num_heads: int, platform: str) -> SplitSchedule:
+        return plan(metadata, num_heads, platform)
+
+    def decode(self, q, kv_cache, metadata, *, scale, kv_lora_rank, q_scale, kv_scale):
+        platform = jax.default_backend()
+        md = metadata
+        t_rows, h, d = q.shape
+        lr = kv_lora_rank
+        rd = d - lr
+        cfg = kernel_config(h, md.qlen, md.page_size, platform)
+        if is_fp8(q.dtype):  # dequantise once here; the kernel multiplies in bf16
+            q = (q.astype(jnp.float32) * jnp.asarray(q_scale, jnp.float32)).astype(jnp.bfloat16)
+        out_dtype = q.dtype
+        sched = md.schedule
+        if not (isinstance(sched, SplitSchedule) and sched.block_n == cfg.block_n
+                and sched.num_head_blocks == cfg.num_head_blocks and sched.qlen == md.qlen):
+            sched = plan(md, h, platform)
+        kv = kv_cache.reshape(-1, d)
+        has_scale = kv_scale is not None
+        kv_scale_arr = jnp.asarray(1.0 if kv_scale is None else kv_scale, jnp.float32).reshape(1)
+        interp = platform not in GPU_PLATFORMS
+        upcast = interp
+        prow = sched.max_works * md.qlen
+        f32 = jnp.float32
+        out, lse, part_out, part_lse = triton_call(
+            _kernels().mla_decode_kernel,
+            q, kv, md.block_table, md.paged_kv_indptr, sched.work_info_set, sched.num_works,
+            kv_scale_arr, float(scale * _LOG2E),
+            grid=(sched.max_works, cfg.num_head_blocks),
+            out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), out_dtype),
+                        jax.ShapeDtypeStruct((t_rows, h), f32),
+                        jax.ShapeDtypeStruct((prow, h, lr), f32),
+                        jax.ShapeDtypeStruct((prow, h), f32)],
+            platform=platform, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            H=h, MAX_PAGES=md.max_pages, Q=md.qlen, HB=cfg.heads_per_block,
+            BLOCK_M=cfg.block_m, L=lr, R=rd, BLOCK_L=_next_pow2(lr), BLOCK_R=_next_pow2(rd),
+            BLOCK_N=cfg.block_n, PAGE_SIZE=md.page_size,
+            TILE_IN_PAGE=md.page_size % cfg.block_n == 0, HAS_KV_SCALE=has_scale,
+            UPCAST=upcast,
+        )
+        return reduce_partials(part_out, part_lse, sched, out, lse, platform=platform)
+
+
+def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platform):
+    """Merge split partials into ``out``/``lse`` in place (tiles with < 2 partials untouched)."""
+    t_rows, h, lr = out.shape
+    block_h = min(16, _next_pow2(h))
+    tiles = sched.reduce_final_map.shape[0]
+    out, lse = triton_call(
+        _kernels().mla_reduce_kernel,
+        part_out, part_lse, sched.reduce_indptr, sched.reduce_final_map,
+        sched.reduce_partial_map, out, lse,
+        grid=(tiles, math.ceil(h / block_h)),
+        out_shapes=[jax.ShapeDtypeStruct(out.shape, out.dtype),
+                    jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
+        input_output_aliases={5: 0, 6: 1},
+        platform=platform, num_warps=4, num_stages=1,
+        H=h, L=lr, BLOCK_H=block_h, BLOCK_L=_next_pow2(lr), MAX_ROWS=sched.qlen,
+    )
+    return out, lse
+
+
+def _kernels():
+    from jax_mla.kernels.triton import decode
+
+    return decode

@@ -1,0 +1,1 @@
+"""Kernel sources (pure ``@triton.jit`` code; no jax imports below this package)."""

@@ -1,0 +1,174 @@
+"""Split-KV paged MLA decode/verify and its exact LSE reduce, in Triton (NVIDIA and AMD).
+
+One program handles one *work* (a KV range of one request, from the split schedule) for one block
+of query heads, and all ``Q`` query tokens of that request: rows ``m = t * HB + h`` pack the
+verify tokens and heads into one MMA tile, so each latent KV row is read once per request and head
+block, not once per query token. The latent row ``[kv_c | k_pe]`` is both key (all ``L + R``
+columns) and value (the first ``L``): one load serves both products.
+
+Scores are kept in the base-2 domain (``scale * log2(e)`` folded in), accumulation is float32,
+and a row that sees no key keeps ``l = 0``: its output is 0 and its LSE ``-inf``.
+"""
+
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _kv_rows(bt_row_ptr, start, pos, valid, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Flat cache row (int64) of each logical position through the block table."""
+    if TILE_IN_PAGE:
+        # Tiles start on a multiple of BLOCK_N, which divides the page: one table load.
+        phys = tl.load(bt_row_ptr + start // PAGE_SIZE).to(tl.int64)
+        return phys * PAGE_SIZE + (pos % PAGE_SIZE)
+    phys = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    return phys * PAGE_SIZE + (pos % PAGE_SIZE)
+
+
+@triton.jit
+def mla_decode_kernel(
+    q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, num_works_ptr, kv_scale_ptr, qk_scale,
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    H: tl.constexpr, MAX_PAGES: tl.constexpr, Q: tl.constexpr, HB: tl.constexpr,
+    BLOCK_M: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    w = tl.program_id(0)
+    hb = tl.program_id(1)
+    if w >= tl.load(num_works_ptr):
+        return
+    D: tl.constexpr = L + R
+    wp = work_ptr + w * 8
+    b = tl.load(wp)
+    ploc = tl.load(wp + 1)
+    qo_start = tl.load(wp + 2)
+    kv_base = tl.load(kv_indptr_ptr + b)
+    lo = tl.load(wp + 4) - kv_base  # KV range of this work, positions within the request
+    hi = tl.load(wp + 5) - kv_base
+    seq = hi + tl.load(wp + 6)  # kv_offset = tokens of the request after this work's range
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t = offs_m // HB
+    head = hb * HB + offs_m % HB
+    row_ok = (t < Q) & (head < H)
+    qrow = (qo_start + t).to(tl.int64) * H + head
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_nope = tl.load(q_ptr + qrow[:, None] * D + offs_l[None, :],
+                     mask=row_ok[:, None] & (offs_l[None, :] < L), other=0.0)
+    q_pe = tl.load(q_ptr + qrow[:, None] * D + L + offs_r[None, :],
+                   mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    if UPCAST:
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    # Row t sees positions < seq - Q + t + 1 (right-aligned causal verify block).
+    bound = seq - Q + t + 1
+    if HAS_KV_SCALE:
+        kv_scale = tl.load(kv_scale_ptr)
+        qk_scale = qk_scale * kv_scale
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * MAX_PAGES
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        rows = _kv_rows(bt_row, start, pos, valid, PAGE_SIZE, TILE_IN_PAGE)
+        k_nope = tl.load(kv_ptr + rows[:, None] * D + offs_l[None, :],
+                         mask=valid[:, None] & (offs_l[None, :] < L), other=0.0)
+        k_pe = tl.load(kv_ptr + rows[:, None] * D + L + offs_r[None, :],
+                       mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
+        if UPCAST:
+            k_nope = k_nope.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        else:
+            k_nope = k_nope.to(q_nope.dtype)
+            k_pe = k_pe.to(q_pe.dtype)
+        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))
+        s = s * qk_scale
+        s = tl.where(pos[None, :] < bound[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if HAS_KV_SCALE:
+        o = o * kv_scale
+    o = tl.where(empty[:, None], 0.0, o)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    o_mask = row_ok[:, None] & (offs_l[None, :] < L)
+    if ploc < 0:
+        tl.store(out_ptr + qrow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=o_mask)
+        tl.store(lse_ptr + qrow, lse, mask=row_ok)
+    else:
+        prow = (ploc + t).to(tl.int64) * H + head
+        tl.store(part_out_ptr + prow[:, None] * L + offs_l[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + prow, lse, mask=row_ok)
+
+
+@triton.jit
+def mla_reduce_kernel(
+    part_out_ptr, part_lse_ptr, reduce_indptr_ptr, final_map_ptr, partial_map_ptr,
+    out_in_ptr, lse_in_ptr,
+    out_ptr, lse_ptr,
+    H: tl.constexpr, L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
+):
+    """Merge the split partials of one query tile (AITER's ``mla_reduce_v1`` semantics).
+
+    Tile ``i`` owns partials ``partial_map[reduce_indptr[i]:reduce_indptr[i+1]]`` (row offsets
+    into the partial buffers) and final rows ``final_map[i] = (qo_start, qo_end)``. Tiles with
+    fewer than two partials were written whole by the decode kernel and are left alone
+    (``out_in``/``lse_in`` alias ``out``/``lse``).
+    """
+    i = tl.program_id(0)
+    hb = tl.program_id(1)
+    p0 = tl.load(reduce_indptr_ptr + i)
+    p1 = tl.load(reduce_indptr_ptr + i + 1)
+    if p1 - p0 < 2:
+        return
+    q0 = tl.load(final_map_ptr + 2 * i)
+    q1 = tl.load(final_map_ptr + 2 * i + 1)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = tl.arange(0, BLOCK_L)
+    h_ok = offs_h < H
+    mask = h_ok[:, None] & (offs_l[None, :] < L)
+    for r in range(0, MAX_ROWS):
+        if q0 + r < q1:
+            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            for j in range(p0, p1):
+                prow = (tl.load(partial_map_ptr + j) + r).to(tl.int64) * H + offs_h
+                lj = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
+                lj = tl.where(lj == float("inf"), float("-inf"), lj)
+                m = tl.maximum(m, lj)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            z = tl.zeros([BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+            for j in range(p0, p1):
+                prow = (tl.load(partial_map_ptr + j) + r).to(tl.int64) * H + offs_h
+                lj = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
+                lj = tl.where(lj == float("inf"), float("-inf"), lj)
+                wj = tl.exp(lj - m_safe)
+                oj = tl.load(part_out_ptr + prow[:, None] * L + offs_l[None, :], mask=mask,
+                             other=0.0)
+                acc += tl.where(wj[:, None] > 0, wj[:, None] * oj, 0.0)
+                z += wj
+            empty = z == 0.0
+            z_safe = tl.where(empty, 1.0, z)
+            o = tl.where(empty[:, None], 0.0, acc / z_safe[:, None])
+            lse = tl.where(empty, float("-inf"), m_safe + tl.log(z_safe))
+            orow = (q0 + r).to(tl.int64) * H + offs_h
+            tl.store(out_ptr + orow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(lse_ptr + orow, lse, mask=h_ok)

@@ -1,0 +1,168 @@
+"""One conformance suite, run against every backend available on this host.
+
+Each case: fresh random inputs, a permuted block table whose unused entries point at NaN pages or
+-1, NaN in every cache slot no request uses, and a float64 NumPy oracle on the same (rounded)
+inputs. Kernels interpreted on CPU also see NaN-poisoned output buffers.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_mla
+import oracle
+from conftest import make_case
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+# Interpreted Triton on CPU is slow: it gets the small sweep only.
+BACKENDS = [b for b in jax_mla.available_backends() if b != "aiter"]
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setenv("JAX_MLA_POISON_OUTPUTS", "1")
+
+
+def run(case, backend, dtype=jnp.float32, *, kv_dtype=None, kv_scale=None, q_dtype=None,
+        q_scale=None, as_tuple=False, jit_outer=False):
+    kv_dtype = kv_dtype or dtype
+    q_np = case.q
+    if q_dtype is not None:  # fp8 q: store q / q_scale, dequantise with q_scale
+        q = jnp.asarray(q_np / q_scale).astype(q_dtype)
+        q_ref = np.asarray(q.astype(jnp.float32), np.float64) * q_scale
+    else:
+        q = jnp.asarray(q_np, dtype)
+        q_ref = np.asarray(q.astype(jnp.float32), np.float64)
+    cache_np = case.cache if kv_scale is None else case.cache / kv_scale
+    cache = jnp.asarray(cache_np).astype(kv_dtype)
+    cache_ref = np.asarray(cache.astype(jnp.float32), np.float64) * (kv_scale or 1.0)
+    md = jax_mla.build_decode_metadata(case.block_table, case.seq_lens, page_size=case.page_size,
+                                       qlen=case.qlen)
+    lr = case.kv_lora_rank
+    if as_tuple:
+        q = (q[..., :lr], q[..., lr:])
+
+    def f(q, cache, md):
+        return jax_mla.mla_attention(q, cache, md, scale=case.scale, backend=backend,
+                                     return_lse=True, kv_lora_rank=lr, kv_scale=kv_scale,
+                                     q_scale=q_scale)
+
+    out, lse = (jax.jit(f) if jit_outer else f)(q, cache, md)
+    want_out, want_lse = oracle.mla_decode(q_ref, cache_ref, case.block_table, case.seq_lens,
+                                           qlen=case.qlen, page_size=case.page_size,
+                                           scale=case.scale, kv_lora_rank=lr)
+    return out, lse, want_out, want_lse
+
+
+def check(out, lse, want_out, want_lse, tol, out_dtype):
+    assert out.dtype == out_dtype and lse.dtype == jnp.float32
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    out = np.asarray(out.astype(jnp.float32))
+    lse = np.asarray(lse)
+    empty = np.isneginf(want_lse)
+    assert np.all(np.isneginf(lse[empty])), "empty rows must have lse -inf"
+    assert np.all(out[empty] == 0), "empty rows must give out 0"
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse[~empty]))
+    assert oracle.rel_err(out, want_out) < tol
+    if (~empty).any():
+        # LSE is compared absolutely (it is a log): a bf16 rel error of 1e-2 is ~0.01 in log.
+        assert np.max(np.abs(lse[~empty] - want_lse[~empty])) < max(tol, 1e-4) * 4
+
+
+EDGE_LENS = [0, 1, 15, 16, 17, 63, 64, 65]
+
+
+def _sweep(seed, n, *, small):
+    r = np.random.default_rng(seed)
+    heads = [1, 3, 8, 12, 16] if small else [1, 3, 8, 12, 16, 24, 128]
+    for _ in range(n):
+        b = int(r.integers(1, 4 if small else 9))
+        qlen = int(r.integers(1, 5))
+        ps = int(r.choice([1, 16, 64]))
+        lens = [int(r.choice(EDGE_LENS + [int(r.integers(0, 200))])) for _ in range(b)]
+        lens = [max(n_, 0) for n_ in lens]
+        yield dict(seq_lens=lens, qlen=qlen, num_heads=int(r.choice(heads)), page_size=ps)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("i", range(6))
+def test_random_sweep(rng, backend, i):
+    small = backend != "xla"
+    for spec in _sweep(int(rng.integers(2**31)), 1 if small else 3, small=small):
+        if small:  # the interpreter is slow: a smaller latent keeps the real kernel code path
+            spec.update(kv_lora_rank=64, rope_dim=32)
+        case = make_case(rng, **spec)
+        out, lse, wo, wl = run(case, backend)
+        check(out, lse, wo, wl, TOL[jnp.float32], jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_deepseek_geometry_dtypes(rng, backend, dtype):
+    case = make_case(rng, seq_lens=[70, 1, 0, 129], qlen=1, num_heads=16, page_size=16)
+    out, lse, wo, wl = run(case, backend, dtype)
+    check(out, lse, wo, wl, TOL[dtype], dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qlen", [2, 3, 4])
+def test_verify_rows_are_causal_and_short_requests_have_empty_rows(rng, backend, qlen):
+    # Lengths < qlen leave the first rows of a request empty; 64 is exactly a page.
+    case = make_case(rng, seq_lens=[1, qlen - 1, 64, 65], qlen=qlen, num_heads=8, page_size=64,
+                     kv_lora_rank=64, rope_dim=32)
+    out, lse, wo, wl = run(case, backend)
+    assert np.isneginf(wl).any()
+    check(out, lse, wo, wl, TOL[jnp.float32], jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tuple_q_and_outer_jit(rng, backend):
+    case = make_case(rng, seq_lens=[33, 5], qlen=2, num_heads=3, page_size=16)
+    out, lse, wo, wl = run(case, backend, jnp.bfloat16, as_tuple=True, jit_outer=True)
+    check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_cache_with_scale(rng, backend, kv_dtype):
+    case = make_case(rng, seq_lens=[40, 17], qlen=1, num_heads=16, page_size=16)
+    out, lse, wo, wl = run(case, backend, jnp.bfloat16, kv_dtype=jnp.dtype(kv_dtype),
+                           kv_scale=0.05)
+    check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_query_with_scale(rng, backend):
+    case = make_case(rng, seq_lens=[40, 17], qlen=1, num_heads=16, page_size=16)
+    out, lse, wo, wl = run(case, backend, jnp.bfloat16, q_dtype=jnp.float8_e4m3fn, q_scale=0.02,
+                           kv_dtype=jnp.float8_e4m3fn, kv_scale=0.05)
+    check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("L,R", [(32, 16), (256, 64), (448, 64)])
+def test_other_latent_widths(rng, L, R):
+    for backend in BACKENDS:
+        case = make_case(rng, seq_lens=[20, 9], qlen=2, num_heads=4, page_size=16,
+                         kv_lora_rank=L, rope_dim=R)
+        out, lse, wo, wl = run(case, backend)
+        check(out, lse, wo, wl, TOL[jnp.float32], jnp.float32)
+
+
+def test_long_context_on_cpu_is_exact(rng):
+    """32k tokens through the chunked reference: memory linear in the chunk, fp32 exact."""
+    case = make_case(rng, seq_lens=[32768, 4097], qlen=2, num_heads=8, page_size=64,
+                     extra_pages=0)
+    out, lse, wo, wl = run(case, "xla")
+    check(out, lse, wo, wl, TOL[jnp.float32], jnp.float32)
+
+
+def test_auto_is_a_real_backend_and_lse_optional(rng):
+    case = make_case(rng, seq_lens=[10], qlen=1, num_heads=2, page_size=1)
+    md = jax_mla.build_decode_metadata(case.block_table, case.seq_lens, page_size=1)
+    q, cache = jnp.asarray(case.q), jnp.asarray(case.cache)
+    out = jax_mla.mla_attention(q, cache, md, scale=case.scale)
+    ref = jax_mla.mla_attention(q, cache, md, scale=case.scale, backend="xla")
+    assert out.shape == (1, 2, 512)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
