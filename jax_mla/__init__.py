@@ -6,6 +6,10 @@ Public API:
   DecodeMetadata         the metadata pytree
   mla_attention          jitted MLA decode/verify: ``out [T, H, L]`` (+ natural-log ``lse``)
   merge_attn_states      exact LSE merge of two partial attention results
+  mla_prefill            varlen (causal) MHA-form prefill attention: ``out [T, H, Dv]`` (+ ``lse``)
+  mla_prefill_with_context  prefill over the cached context, in workspace-bounded chunks
+  mla_mixed_step         decode rows (absorbed) then prefill rows (MHA) in one step
+  PrefillTritonConfig    tile config of the Triton prefill kernel
   heads                  AITER's head-count rules and exact pad/unpad maps
   available_backends     backends usable on the current platform
 """
@@ -13,7 +17,9 @@ Public API:
 from jax_mla import heads
 from jax_mla.attention import mla_attention
 from jax_mla.backends import available_backends, register_backend, registered_backends
+from jax_mla.backends.triton_prefill import PrefillTritonConfig
 from jax_mla.cache import write_kv_cache
+from jax_mla.context import mla_mixed_step, mla_prefill_with_context
 from jax_mla.dcp import (
     DcpShardings,
     dcp_local_metadata,
@@ -27,12 +33,14 @@ from jax_mla.dcp import (
 )
 from jax_mla.merge import merge_attn_states
 from jax_mla.metadata import DecodeMetadata, build_decode_metadata
+from jax_mla.prefill import mla_prefill
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DcpShardings",
     "DecodeMetadata",
+    "PrefillTritonConfig",
     "available_backends",
     "build_decode_metadata",
     "dcp_local_metadata",
@@ -46,6 +54,9 @@ __all__ = [
     "heads",
     "merge_attn_states",
     "mla_attention",
+    "mla_mixed_step",
+    "mla_prefill",
+    "mla_prefill_with_context",
     "register_backend",
     "registered_backends",
     "write_kv_cache",

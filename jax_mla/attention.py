@@ -33,7 +33,9 @@ def _split_q(q, kv_lora_rank):
             raise ValueError(f"kv_lora_rank={kv_lora_rank} but q_nope has width {lr}")
         return jnp.concatenate([q_nope, q_pe], axis=-1), lr
     if q.ndim != 3:
-        raise ValueError(f"q must be [T, H, D] (or a (q_nope, q_pe) tuple), got shape {tuple(q.shape)}")
+        raise ValueError(
+            f"q must be [T, H, D] (or a (q_nope, q_pe) tuple), got shape {tuple(q.shape)}"
+        )
     if kv_lora_rank is None:
         if q.shape[-1] <= DEFAULT_KV_LORA_RANK:
             raise ValueError(

@@ -2,6 +2,8 @@
 
 - ``JAX_MLA_POISON_OUTPUTS=1``: interpreted (CPU) kernels see their output buffers filled with
   NaN (floats) or -1 (ints) before they run, so a lane a kernel forgets to write is caught.
+- ``JAX_MLA_TRITON_BLOCK_N`` / ``_WARPS`` / ``_STAGES``: override the Triton decode tile
+  (for tuning sweeps; the defaults were picked on the H200).
 - ``TRITON_INTERPRET``: Triton's own switch; on CPU jax_mla sets it to 1 if triton is not yet
   imported (see ``backends/triton_launch.py``).
 """
@@ -13,3 +15,25 @@ import os
 
 def poison_outputs() -> bool:
     return os.environ.get("JAX_MLA_POISON_OUTPUTS", "0") == "1"
+
+
+def aiter_small_head_mode() -> str:
+    """``JAX_MLA_AITER_SMALL_HEAD_MODE`` in ``auto`` (default), ``gluon``, ``asm`` (case-insensitive).
+
+    How AITER serves fewer than 16 decode heads (vLLM's ``VLLM_ROCM_AITER_MLA_ASM_PADDING``):
+    ``auto`` uses the Gluon kernel for divisors of 16 on gfx950 and padded asm otherwise,
+    ``gluon`` uses Gluon wherever the arch has it, ``asm`` always pads to 16 for the asm kernel.
+    """
+    mode = os.environ.get("JAX_MLA_AITER_SMALL_HEAD_MODE", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "gluon", "asm"):
+        raise ValueError(
+            f"JAX_MLA_AITER_SMALL_HEAD_MODE={mode!r} must be one of 'auto', 'gluon', 'asm'"
+        )
+    return mode
+
+
+def triton_decode_overrides() -> dict:
+    """Triton decode tile overrides: ``block_n``, ``num_warps``, ``num_stages`` (those set)."""
+    names = {"block_n": "JAX_MLA_TRITON_BLOCK_N", "num_warps": "JAX_MLA_TRITON_WARPS",
+             "num_stages": "JAX_MLA_TRITON_STAGES"}
+    return {k: int(os.environ[v]) for k, v in names.items() if os.environ.get(v)}

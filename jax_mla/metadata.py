@@ -81,12 +81,13 @@ class DecodeMetadata:
     def flat_capacity(self) -> int:
         return self.paged_kv_indices.shape[0]
 
-    def replace(self, **kw) -> "DecodeMetadata":
+    def replace(self, **kw) -> DecodeMetadata:
         return dataclasses.replace(self, **kw)
 
 
 _DATA = [f.name for f in dataclasses.fields(DecodeMetadata) if f.name not in ("qlen", "page_size")]
-jax.tree_util.register_dataclass(DecodeMetadata, data_fields=_DATA, meta_fields=["qlen", "page_size"])
+jax.tree_util.register_dataclass(DecodeMetadata, data_fields=_DATA,
+                                 meta_fields=["qlen", "page_size"])
 
 
 def uniform_qo_indptr(num_seqs: int, qlen: int) -> jax.Array:
@@ -106,7 +107,10 @@ def expand_indptr(indptr: jax.Array, capacity: int) -> tuple[jax.Array, jax.Arra
 def flat_slot_ids(block_table, positions, page_size: int, rows=None):
     """Flat slot ``block_table[row, pos // page_size] * page_size + pos % page_size``."""
     page = jnp.clip(positions // page_size, 0, block_table.shape[1] - 1)
-    phys = block_table[rows, page] if rows is not None else jnp.take_along_axis(block_table, page, 1)
+    if rows is None:
+        phys = jnp.take_along_axis(block_table, page, 1)
+    else:
+        phys = block_table[rows, page]
     return phys * page_size + positions % page_size
 
 
@@ -120,7 +124,9 @@ def _check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity):
     if not isinstance(qlen, (int, np.integer)) or qlen < 1:
         raise ValueError(f"qlen must be a positive int, got {qlen!r}")
     if block_table.ndim != 2:
-        raise ValueError(f"block_table must be [B, max_pages], got shape {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must be [B, max_pages], got shape {tuple(block_table.shape)}"
+        )
     if seq_lens.ndim != 1 or seq_lens.shape[0] != block_table.shape[0]:
         raise ValueError(
             f"seq_lens must be [B={block_table.shape[0]}], got shape {tuple(seq_lens.shape)}"
@@ -149,6 +155,8 @@ def build_decode_metadata(
     page_size: int,
     qlen: int = 1,
     flat_capacity: int | None = None,
+    num_heads: int | None = None,
+    backend: str = "auto",
 ) -> DecodeMetadata:
     """Build :class:`DecodeMetadata` for a decode (``qlen=1``) or verify (``qlen>1``) step.
 
@@ -161,6 +169,11 @@ def build_decode_metadata(
       flat_capacity: static length of ``paged_kv_indices`` (default ``B * max_pages *
         page_size``, always enough); a smaller value bounds memory when the batch's total length
         is known to fit.
+      num_heads: query heads the step will run with. When given, the backend that
+        ``mla_attention(..., backend=backend)`` will pick on this platform plans its work split
+        now and carries it in ``schedule`` (decided once per step, shared by every layer);
+        otherwise a backend that needs one plans it inside the attention call.
+      backend: the backend to plan for (as in ``mla_attention``).
 
     Jittable (every argument but the arrays is static). Lengths outside ``[0, max_pages *
     page_size]`` raise here when they are concrete; under tracing they are clamped.
@@ -170,8 +183,16 @@ def build_decode_metadata(
     _check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity)
     if flat_capacity is None:
         flat_capacity = block_table.shape[0] * block_table.shape[1] * page_size
-    return _build(block_table, seq_lens, page_size=int(page_size), qlen=int(qlen),
-                  flat_capacity=int(flat_capacity))
+    md = _build(block_table, seq_lens, page_size=int(page_size), qlen=int(qlen),
+                flat_capacity=int(flat_capacity))
+    if num_heads is not None:
+        from jax_mla.backends import current_platform, resolve_backend
+
+        platform = current_platform()
+        impl = resolve_backend(backend, platform)
+        if hasattr(impl, "plan"):
+            md = md.replace(schedule=impl.plan(md, int(num_heads), platform))
+    return md
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "qlen", "flat_capacity"))

@@ -285,7 +285,7 @@ def prefill_reference(q, k, v, cu_q, cu_k, *, scale, causal, max_seqlen=None, ma
         first, last = lo_c[0], jnp.max(hi_c)
 
         def body(j, carry):
-            m, l, acc = carry
+            m, den, acc = carry
             start = first + j * ck
             # dynamic_slice clamps the start into range; keys below `start` then belong to
             # the previous chunk and are masked out so none is counted twice.
@@ -305,18 +305,18 @@ def prefill_reference(q, k, v, cu_q, cu_k, *, scale, causal, max_seqlen=None, ma
             m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            l = l * alpha + jnp.sum(p, axis=-1)
+            den = den * alpha + jnp.sum(p, axis=-1)
             pv = jnp.einsum("qhk,khv->qhv", p.astype(v.dtype), vc, precision=prec,
                             preferred_element_type=jnp.float32)
-            return m_new, l, acc * alpha[..., None] + pv
+            return m_new, den, acc * alpha[..., None] + pv
 
         init = (jnp.full((cq, h), -jnp.inf, jnp.float32), jnp.zeros((cq, h), jnp.float32),
                 jnp.zeros((cq, h, dv), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, (last - first + ck - 1) // ck, body, init)
-        empty = l == 0
-        l_safe = jnp.where(empty, 1.0, l)
-        out = jnp.where(empty[..., None], 0.0, acc / l_safe[..., None])
-        lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+        m, den, acc = jax.lax.fori_loop(0, (last - first + ck - 1) // ck, body, init)
+        empty = den == 0
+        den = jnp.where(empty, 1.0, den)
+        out = jnp.where(empty[..., None], 0.0, acc / den[..., None])
+        lse = jnp.where(empty, -jnp.inf, m + jnp.log(den))
         return out, lse
 
     out, lse = jax.lax.map(q_block, (qs, los, his))

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import dataclasses
-import zlib
 import os
 import sys
+import zlib
 
 import numpy as np
 import pytest

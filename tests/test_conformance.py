@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_mla
+
 import oracle
 from conftest import make_case
 

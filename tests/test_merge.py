@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jax_mla import merge_attn_states
+
 from oracle import rel_err, softmax_union
 
 

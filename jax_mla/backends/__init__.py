@@ -59,7 +59,12 @@ def registered_backends() -> tuple[str, ...]:
 
 
 def current_platform() -> str:
-    return jax.default_backend()
+    """``"cpu"``, ``"cuda"``, ``"rocm"``, ... (jax names both GPU kinds ``"gpu"``)."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+        return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+    return platform
 
 
 def available_backends(platform: str | None = None) -> tuple[str, ...]:

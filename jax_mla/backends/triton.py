@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 
+from jax_mla.backends import current_platform
 from jax_mla.backends.triton_launch import GPU_PLATFORMS, triton_call, triton_importable
 from jax_mla.cache import is_fp8
+from jax_mla.config import triton_decode_overrides
 from jax_mla.schedule import SplitSchedule, plan_splits
 
 _LOG2E = 1.4426950408889634
@@ -50,10 +51,10 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> K
     if platform not in GPU_PLATFORMS:
         # Interpreter: small tiles keep CI fast and exercise several tiles per work.
         return KernelConfig(hb, nhb, block_m, 16, 1, 1)
-    block_n = int(os.environ.get("JAX_MLA_TRITON_BLOCK_N", 64 if block_m <= 32 else 32))
-    num_warps = int(os.environ.get("JAX_MLA_TRITON_WARPS", 4 if block_m <= 32 else 8))
-    num_stages = int(os.environ.get("JAX_MLA_TRITON_STAGES", 2))
-    return KernelConfig(hb, nhb, block_m, block_n, num_warps, num_stages)
+    tile = {"block_n": 64 if block_m <= 32 else 32, "num_warps": 4 if block_m <= 32 else 8,
+            "num_stages": 2}
+    tile.update(triton_decode_overrides())
+    return KernelConfig(hb, nhb, block_m, **tile)
 
 
 def num_sms(platform: str) -> int:
@@ -90,7 +91,7 @@ class TritonBackend:
         return plan(metadata, num_heads, platform)
 
     def decode(self, q, kv_cache, metadata, *, scale, kv_lora_rank, q_scale, kv_scale):
-        platform = jax.default_backend()
+        platform = current_platform()
         md = metadata
         t_rows, h, d = q.shape
         lr = kv_lora_rank
@@ -113,14 +114,15 @@ class TritonBackend:
         out, lse, part_out, part_lse = triton_call(
             _kernels().mla_decode_kernel,
             q, kv, md.block_table, md.paged_kv_indptr, sched.work_info_set, sched.num_works,
-            kv_scale_arr, float(scale * _LOG2E),
+            kv_scale_arr,
             grid=(sched.max_works, cfg.num_head_blocks),
             out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), out_dtype),
                         jax.ShapeDtypeStruct((t_rows, h), f32),
                         jax.ShapeDtypeStruct((prow, h, lr), f32),
                         jax.ShapeDtypeStruct((prow, h), f32)],
             platform=platform, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            H=h, MAX_PAGES=md.max_pages, Q=md.qlen, HB=cfg.heads_per_block,
+            QK_SCALE=float(scale * _LOG2E), H=h, MAX_PAGES=md.max_pages, Q=md.qlen,
+            HB=cfg.heads_per_block,
             BLOCK_M=cfg.block_m, L=lr, R=rd, BLOCK_L=_next_pow2(lr), BLOCK_R=_next_pow2(rd),
             BLOCK_N=cfg.block_n, PAGE_SIZE=md.page_size,
             TILE_IN_PAGE=md.page_size % cfg.block_n == 0, HAS_KV_SCALE=has_scale,

@@ -18,8 +18,6 @@ import importlib.util
 import os
 import sys
 
-import jax
-
 from jax_mla.config import poison_outputs
 
 GPU_PLATFORMS = ("cuda", "rocm")

@@ -35,7 +35,8 @@ class PrefillTritonConfig:
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"PrefillTritonConfig.{name} must be a power of two >= 16, got {v!r}")
+                raise ValueError(
+                    f"PrefillTritonConfig.{name} must be a power of two >= 16, got {v!r}")
         for name in ("num_warps", "num_stages"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -65,17 +66,29 @@ def pick_config(dqk: int, dv: int, dtype) -> PrefillTritonConfig:
 
     Hopper has ~227 KiB of shared memory per block: the Q tile stays resident and every pipeline
     stage holds one K tile and one V tile, so ``(BM*DQK + stages*BN*(DQK+DV)) * itemsize`` must
-    fit. 192/128 bf16 at (128, 64, 3 stages) takes 168 KiB; fp32 halves the tiles.
+    fit, and the fp32 accumulators must fit the registers. Checked by compiling for sm_90 (triton
+    3.9 + ptxas, no spills): 192/128 bf16 at (128, 64, 8 warps, 3 stages) takes 168 KiB and 216
+    registers; 128/128 at the same tiles 128 KiB; a 128-wide key block spills at both. fp32
+    (exact ``ieee`` dots, a correctness path) runs on small tiles.
     """
     d1, d2, bdv = head_dim_split(dqk, dv)
-    width = d1 + d2 + bdv
     if jnp.dtype(dtype).itemsize >= 4:
-        return PrefillTritonConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if width <= 256:  # head dims up to 128/128
-        return PrefillTritonConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-    if width <= 384:  # DeepSeek 192/128
+        return PrefillTritonConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+    if d1 + d2 + bdv <= 384:  # up to DeepSeek's 192/128
         return PrefillTritonConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return PrefillTritonConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+# Candidates for tuning on the GPU (``jax_mla.bench.prefill.tune_prefill``); all compile without
+# spills for 192/128 bf16 on sm_90 and fit shared memory. (128, 32) uses 128 registers and
+# 108 KiB, so two blocks share an SM and one's softmax overlaps the other's MMAs.
+TUNING_CONFIGS = (
+    PrefillTritonConfig(128, 64, 8, 3),
+    PrefillTritonConfig(128, 64, 8, 4),
+    PrefillTritonConfig(128, 64, 8, 2),
+    PrefillTritonConfig(128, 32, 8, 3),
+    PrefillTritonConfig(64, 64, 4, 3),
+)
 
 
 def num_query_blocks(num_rows: int, num_seqs: int, block_m: int) -> int:
@@ -134,3 +147,38 @@ def prefill_triton(q, k, v, cu_q, cu_k, *, scale: float, causal: bool, platform:
         UPCAST=upcast, IEEE=(jnp.dtype(q.dtype) == jnp.float32 and not upcast),
     )
     return out, lse
+
+
+def compile_report(dtype, dqk: int, dv: int, *, causal: bool = True, num_heads: int = 16,
+                   config: PrefillTritonConfig | None = None, arch: int = 90) -> dict:
+    """Compile the kernel ahead of time for ``sm_<arch>`` (no GPU needed) and report on it.
+
+    Returns ``{"shared": bytes, "pipelined": bool (async copies present), "ttgir": str,
+    "ptx": str, "config": PrefillTritonConfig}``. Uses the same constexprs and 16-byte pointer
+    alignment that jax-triton assumes. Needs the real compiler, so not under TRITON_INTERPRET=1.
+    """
+    if interpreter_enabled():
+        raise RuntimeError("compile_report needs TRITON_INTERPRET unset before triton is imported")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jax_mla.kernels.triton.prefill import prefill_fwd_kernel
+
+    tt = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16",
+          jnp.dtype(jnp.float32): "fp32"}[jnp.dtype(dtype)]
+    config = config or pick_config(dqk, dv, dtype)
+    d1, d2, bdv = head_dim_split(dqk, dv)
+    names = ("Q", "K", "V", "CU_Q", "CU_K", "BLK_SEQ", "BLK_M0", "Out", "Lse")
+    sig = dict(zip(names, [f"*{tt}"] * 3 + ["*i32"] * 4 + [f"*{tt}", "*fp32"]))
+    consts = dict(QK_SCALE=dqk ** -0.5 * LOG2E, H=num_heads, DQK=dqk, DV=dv, D1=d1,
+                  D2=max(d2, 16), BLOCK_DV=bdv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                  CAUSAL=bool(causal), UPCAST=False, IEEE=tt == "fp32")
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    src = ASTSource(fn=prefill_fwd_kernel, signature=sig, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
+    cc = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                        options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    ttgir = cc.asm["ttgir"]
+    return dict(shared=cc.metadata.shared, pipelined="async_copy_global_to_local" in ttgir,
+                ttgir=ttgir, ptx=cc.asm["ptx"], config=config)

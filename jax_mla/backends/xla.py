@@ -64,7 +64,7 @@ def paged_mla_reference(q, kv_cache, metadata, *, scale, kv_lora_rank, q_scale=N
     table = jnp.pad(md.block_table, ((0, 0), (0, n_static * ppc - md.max_pages)))
 
     def body(j, carry):
-        m, l, acc = carry
+        m, z, acc = carry
         pidx = j * ppc + jnp.arange(ppc, dtype=jnp.int32)
         pages = jax.lax.dynamic_slice_in_dim(table, j * ppc, ppc, axis=1)
         pages = jnp.where(pidx[None] < num_pages[:, None], pages, 0)
@@ -79,9 +79,9 @@ def paged_mla_reference(q, kv_cache, metadata, *, scale, kv_lora_rank, q_scale=N
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
-        l = l * alpha + jnp.sum(p, axis=-1)
+        z = z * alpha + jnp.sum(p, axis=-1)
         acc = acc * alpha[..., None] + jnp.einsum("bqhc,bcl->bqhl", p, kv[..., :lr], precision=_HI)
-        return m_new, l, acc
+        return m_new, z, acc
 
     init = (
         jnp.full((b, qlen, h), -jnp.inf, jnp.float32),
@@ -89,10 +89,10 @@ def paged_mla_reference(q, kv_cache, metadata, *, scale, kv_lora_rank, q_scale=N
         jnp.zeros((b, qlen, h, lr), jnp.float32),
     )
     n_chunks = (jnp.max(md.seq_lens, initial=0) + c - 1) // c
-    m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    empty = l == 0
-    out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, l)[..., None])
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    m, z, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    empty = z == 0
+    out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, z)[..., None])
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, z)))
     return out.reshape(t_rows, h, lr), lse.reshape(t_rows, h)
 
 

@@ -13,7 +13,7 @@ and a row that sees no key keeps ``l = 0``: its output is 0 and its LSE ``-inf``
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -29,10 +29,11 @@ def _kv_rows(bt_row_ptr, start, pos, valid, PAGE_SIZE: tl.constexpr, TILE_IN_PAG
 
 @triton.jit
 def mla_decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, num_works_ptr, kv_scale_ptr, qk_scale,
+    q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, num_works_ptr, kv_scale_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-    H: tl.constexpr, MAX_PAGES: tl.constexpr, Q: tl.constexpr, HB: tl.constexpr,
-    BLOCK_M: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr,
+    QK_SCALE: tl.constexpr, H: tl.constexpr, MAX_PAGES: tl.constexpr, Q: tl.constexpr,
+    HB: tl.constexpr, BLOCK_M: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+    BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -66,9 +67,12 @@ def mla_decode_kernel(
         q_pe = q_pe.to(tl.float32)
     # Row t sees positions < seq - Q + t + 1 (right-aligned causal verify block).
     bound = seq - Q + t + 1
+    # QK_SCALE = softmax scale * log2(e): scores live in the base-2 domain.
     if HAS_KV_SCALE:
         kv_scale = tl.load(kv_scale_ptr)
-        qk_scale = qk_scale * kv_scale
+        qk_scale = kv_scale * QK_SCALE
+    else:
+        qk_scale = QK_SCALE
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

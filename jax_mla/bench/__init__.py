@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m jax_mla.bench`` (see ``__main__.py``)."""

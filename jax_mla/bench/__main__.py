@@ -1,0 +1,128 @@
+"""``python -m jax_mla.bench``: time every backend on the same shapes, in roofline terms.
+
+Prints a table, writes ``results.json`` and ``results.csv`` (with device, versions and date) to
+``--out``, and optionally a plot. Ratios are against the copy bandwidth and bf16 matmul rate
+measured at the start of the same run, and against the XLA backend measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import sys
+
+import jax
+import numpy as np
+
+import jax_mla
+from jax_mla.backends import current_platform
+from jax_mla.bench import decode
+from jax_mla.bench.timing import ceilings
+
+
+def environment() -> dict:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(jax.devices()[0].device_kind),
+        "platform": current_platform(),
+        "num_sms": getattr(jax.devices()[0], "core_count", None),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_mla": jax_mla.__version__,
+    }
+    for mod in ("jaxlib", "triton", "jax_triton", "torch"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: record that
+            env[mod] = None
+    return env
+
+
+def print_table(rows, cols):
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+
+
+def _fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def write(rows, env, out_dir, name):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1, default=float)
+    keys = sorted({k for r in rows for k in r})
+    with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["shape"] for r in rows}, key=lambda s: [r["shape"] for r in rows].index(s))
+    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.5), 4))
+    for backend in sorted({r["backend"] for r in rows}):
+        ys = [next((r["frac_copy"] for r in rows if r["shape"] == n and r["backend"] == backend),
+                   np.nan) for n in names]
+        ax.plot(range(len(names)), ys, "o-", label=backend)
+    ax.set_xticks(range(len(names)), names, rotation=75, fontsize=7)
+    ax.set_ylabel("fraction of measured copy bandwidth")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jax_mla.bench")
+    p.add_argument("--backends", default=None, help="comma list (default: all available)")
+    p.add_argument("--quick", action="store_true", help="a few small shapes (smoke test)")
+    p.add_argument("--tags", default=None, help="only shapes with these tags (comma list)")
+    p.add_argument("--out", default="benchmarks/results/latest")
+    p.add_argument("--plot", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    backends = (args.backends.split(",") if args.backends
+                else [b for b in jax_mla.available_backends() if b != "aiter"])
+    env = environment()
+    print(json.dumps(env))
+    ceil = ceilings()
+    env.update(ceil)
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+          f"{ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+    shapes = decode.target_shapes(args.quick)
+    if args.tags:
+        shapes = [s for s in shapes if s.tag in args.tags.split(",")]
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional
+        def tqdm(x, **_):
+            return x
+    for shape in tqdm(shapes, desc="decode", file=sys.stdout):
+        rows += decode.run_shape(shape, backends, ceil, rng)
+    print_table(rows, ["shape", "backend", "us", "kernel_us", "kv_TBps", "TFLOPs", "frac_copy",
+                       "frac_matmul", "speedup_vs_xla", "rel_err_vs_xla", "lse_max_abs_err"])
+    write(rows, env, args.out, "decode")
+    if args.plot:
+        plot(rows, os.path.join(args.out, "decode.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
