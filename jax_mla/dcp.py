@@ -348,28 +348,70 @@ def _shard_map(f, *, mesh, in_specs, out_specs):
     return shard_map(f, mesh, in_specs, out_specs, check_rep=False)
 
 
+def _place(x, mesh, spec):
+    """Constrain ``x`` to ``NamedSharding(mesh, spec)`` inside jit, whatever the axis types.
+
+    Explicit mesh axes (``jax.make_mesh``'s default since jax 0.7) take ``jax.sharding.reshard``;
+    Auto axes take ``with_sharding_constraint``; shard_map then sees the layout it expects.
+    """
+    names = {a for entry in spec if entry is not None
+             for a in (entry if isinstance(entry, tuple) else (entry,))}
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    explicit = axis_type is not None and {types.get(a) for a in names} == {axis_type.Explicit}
+    if explicit or (not names and axis_type is not None
+                    and any(t == axis_type.Explicit for t in types.values())):
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def scale_own_partial(out, lses, rank):
+    """AG+RS's local step: this rank's partial weighted for the exact merge, float32.
+
+    Args:
+      out: ``[T, H*N, L]`` this rank's partial output (any float dtype).
+      lses: ``[N, T, H*N]`` float32 every rank's natural-log LSE (``-inf`` = empty).
+      rank: this rank (int or traced scalar).
+    Returns:
+      ``(part [T, H*N, L] float32, lse [T, H*N] float32)``: summing ``part`` over ranks gives the
+      merged output; ``lse`` is the merged LSE. float32 because the sum happens inside the
+      reduce-scatter, where bf16 would round at every hop.
+    """
+    w, lse = merge_lse_weights(lses, axis=0)
+    own_w = jax.lax.dynamic_index_in_dim(w, rank, 0, keepdims=True)
+    return weighted_sum(own_w, out[None], axis=0), lse
+
+
+def merge_partials(outs, lses):
+    """A2A's local step: the exact merge of ``N`` partials of the same heads.
+
+    ``outs [N, T, H, L]`` (any float dtype), ``lses [N, T, H]`` natural log -> ``(out [T, H, L]
+    float32, lse [T, H] float32)``; all-empty rows give 0 and ``-inf``.
+    """
+    w, lse = merge_lse_weights(lses, axis=0)
+    return weighted_sum(w, outs, axis=0), lse
+
+
 def _combine_ag_rs(out, lse, axis, rank, h):
     """LSE all-gather, local scaling, reduce-scatter (sum) of heads: ``[T, H*N] -> [T, H]``."""
     lses = jax.lax.all_gather(lse, axis)  # [N, T, H*N]: small
-    w, lse_all = merge_lse_weights(lses, axis=0)
-    own_w = jax.lax.dynamic_index_in_dim(w, rank, 0, keepdims=True)
-    # fp32 before the collective: summing bf16 inside a reduce-scatter rounds at every hop.
-    part = weighted_sum(own_w, out[None], axis=0)  # [T, H*N, L] float32
+    part, lse_all = scale_own_partial(out, lses, rank)
     merged = jax.lax.psum_scatter(part, axis, scatter_dimension=1, tiled=True)
     return merged, jax.lax.dynamic_slice_in_dim(lse_all, rank * h, h, axis=1)
 
 
+def to_head_owner_major(x, n):
+    """``[T, N*H, ...] -> [N, T, H, ...]``: axis 0 = the rank that owns those heads."""
+    t, hn = x.shape[:2]
+    return jnp.moveaxis(x.reshape(t, n, hn // n, *x.shape[2:]), 1, 0)
+
+
 def _combine_a2a(out, lse, axis, n):
     """All-to-all the partials so each rank holds the ``N`` partials of its heads; merge locally."""
-    t, hn = lse.shape
-    h = hn // n
-    # [T, N*H, ...] -> [N (head owner), T, H, ...]; after the exchange axis 0 is the source rank.
-    outs = jnp.moveaxis(out.reshape(t, n, h, out.shape[-1]), 1, 0)
-    lses = jnp.moveaxis(lse.reshape(t, n, h), 1, 0)
-    outs = jax.lax.all_to_all(outs, axis, 0, 0, tiled=True)
-    lses = jax.lax.all_to_all(lses, axis, 0, 0, tiled=True)
-    w, lse_own = merge_lse_weights(lses, axis=0)
-    return weighted_sum(w, outs, axis=0), lse_own
+    # Before the exchange axis 0 is the heads' owner; after it, the partial's source rank.
+    outs = jax.lax.all_to_all(to_head_owner_major(out, n), axis, 0, 0, tiled=True)
+    lses = jax.lax.all_to_all(to_head_owner_major(lse, n), axis, 0, 0, tiled=True)
+    return merge_partials(outs, lses)
 
 
 def dcp_mla_attention(
@@ -520,10 +562,12 @@ def _dcp_mla_attention(q, kv_cache, block_tables, seq_lens, kv_scale, q_scale, *
             out, lse = _combine_a2a(out, lse, dcp_axis, n)
         return out.astype(out_dtype), lse
 
-    fn = _shard_map(
-        body, mesh=mesh,
-        in_specs=(P(None, hs), P(dcp_axis), P(dcp_axis), P(), scale_specs),
-        out_specs=(P(None, hs), P(None, hs)),
-    )
-    out, lse = fn(q, kv_cache, block_tables, seq_lens, scales)
+    specs = (P(None, hs), P(dcp_axis), P(dcp_axis), P())
+    fn = _shard_map(body, mesh=mesh, in_specs=(*specs, scale_specs),
+                    out_specs=(P(None, hs), P(None, hs)))
+    # Arrays that already carry the layout pass through; others are placed (a slice, never a
+    # gather: each device keeps only its part).
+    arrays = [_place(x, mesh, spec) for x, spec in zip((q, kv_cache, block_tables, seq_lens),
+                                                        specs)]
+    out, lse = fn(*arrays, scales)
     return (out, lse) if return_lse else out

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import mla_decode
 
 import jax_mla
 from jax_mla import backends as _backends
 from jax_mla.backends import register_backend
+
+from oracle import mla_decode
 
 NEED_DEVICES = 8
 needs_8_devices = pytest.mark.skipif(
@@ -146,3 +148,43 @@ def callback_backend():
         yield b.name
     finally:
         _backends._REGISTRY.pop(b.name, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton's CPU interpreter is not thread safe; a multi-device CPU mesh runs callbacks in parallel
+# ------------------------------------------------------------------------------------------------
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+class _SerializedKernel:
+    """``kernel[grid](...)`` under one process-wide lock (interpreted launches only)."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self._kernel[grid]
+
+        def run(*args, **kwargs):
+            with _INTERPRETER_LOCK:
+                return launch(*args, **kwargs)
+
+        return run
+
+
+def serialize_triton_interpreter(monkeypatch):
+    """Test-only shim until ``backends/triton_launch.py`` serialises interpreted launches itself.
+
+    Two device threads interpreting kernels at once corrupt the interpreter's global patching
+    ("Did you forget to add @triton.jit?"), and a first ``import torch`` inside two callbacks
+    races ("module 'torch' has no attribute 'from_dlpack'"); either one aborts the process in
+    XLA:CPU's collective rendezvous. Import torch here, on the main thread, and lock launches.
+    """
+    import torch  # noqa: F401
+
+    from jax_mla.backends import triton_launch
+
+    orig = triton_launch._interpret_call
+    monkeypatch.setattr(triton_launch, "_interpret_call",
+                        lambda kernel, *a, **k: orig(_SerializedKernel(kernel), *a, **k))

@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import logical_kv
 
 import jax_mla
+
+from conftest import make_case
+from oracle import logical_kv
 
 
 def _owner(p, n, i):

@@ -11,6 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+
+import jax_mla
+
 from conftest import make_case
 from dcp_cases import (
     callback_backend,  # noqa: F401  (a fixture, used by name)
@@ -18,12 +22,10 @@ from dcp_cases import (
     lse_rel_err,
     needs_8_devices,
     oracle,
+    serialize_triton_interpreter,
     shard_case,
 )
-from jax.sharding import Mesh
 from oracle import rel_err
-
-import jax_mla
 
 pytestmark = needs_8_devices
 
@@ -212,8 +214,11 @@ def test_compiled_program_never_gathers_the_kv_cache(rng, callback_backend, back
 
 
 @pytest.mark.parametrize("backend", ["dcp_test_callback", *jax_mla.available_backends("cpu")])
-def test_every_backend_as_the_local_kernel(rng, callback_backend, backend):  # noqa: F811
+def test_every_backend_as_the_local_kernel(rng, monkeypatch, callback_backend,  # noqa: F811
+                                           backend):
     """The callback backend also pads heads and leaves NaN / +inf in empty rows."""
+    if backend == "triton":
+        serialize_triton_interpreter(monkeypatch)
     case = make_case(rng, seq_lens=[1, 2, 21, 40], qlen=2, num_heads=H_TOTAL, page_size=4,
                      kv_lora_rank=L, rope_dim=R)
     for combine in jax_mla.dcp.COMBINES:
@@ -225,11 +230,30 @@ def test_every_backend_as_the_local_kernel(rng, callback_backend, backend):  # n
         _check(case, out, lse, f"backend {backend} {combine}")
 
 
+@pytest.mark.parametrize("explicit", [True, False])
+def test_unplaced_inputs_are_placed_without_gathering(rng, explicit):
+    """Plain single-device arrays in, on Explicit (make_mesh) and Auto (Mesh) axes alike."""
+    n = 4
+    case = make_case(rng, seq_lens=[3, 30, 61], qlen=2, num_heads=H_TOTAL, page_size=4,
+                     kv_lora_rank=L, rope_dim=R, extra_pages=60)
+    kv, tables = jax_mla.dcp_shard_cache(jnp.asarray(case.cache), case.block_table,
+                                         case.seq_lens, world_size=n, fill_value=np.nan)
+    mesh = _mesh(n, 2, explicit=explicit)
+    f = jax.jit(functools.partial(jax_mla.dcp_mla_attention, mesh=mesh, scale=case.scale,
+                                  qlen=2, head_axis="tp", return_lse=True, kv_lora_rank=L))
+    args = (jnp.asarray(case.q), kv, tables, jnp.asarray(case.seq_lens))
+    _check(case, *f(*args), f"unplaced inputs, explicit={explicit}")
+    found = collectives(f.lower(*args).compile().as_text())
+    assert max(size for _, _, size in found) < kv.size // n // 4, found
+
+
 def test_mesh_errors(rng):
     mesh = _mesh(4, 2)
     case = make_case(rng, seq_lens=[5, 9], qlen=1, num_heads=H_TOTAL, page_size=4,
                      kv_lora_rank=L, rope_dim=R)
-    q, kv, tables, lens = shard_case(case, mesh, interleave=1, head_axis="tp")
+    # Host copies: slicing an Explicit-sharded array would itself be a sharding question.
+    q, kv, tables, lens = (np.asarray(a) for a in shard_case(case, mesh, interleave=1,
+                                                             head_axis="tp"))
     f = functools.partial(jax_mla.dcp_mla_attention, mesh=mesh, scale=1.0, kv_lora_rank=L,
                           head_axis="tp")
     with pytest.raises(ValueError, match="H_total=12 heads, not divisible by the DCP world size 4 "

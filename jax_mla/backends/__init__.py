@@ -95,10 +95,11 @@ def resolve_backend(name: str, platform: str) -> Backend:
 
 
 def _register_builtin() -> None:
-    from jax_mla.backends import triton, xla
+    from jax_mla.backends import aiter, triton, xla
 
     register_backend(xla.XlaBackend())
     register_backend(triton.TritonBackend())
+    register_backend(aiter.AiterBackend())  # never imports aiter itself; ROCm-only availability
 
 
 _register_builtin()

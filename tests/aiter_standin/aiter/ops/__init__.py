@@ -1,0 +1,1 @@
+"""aiter.ops (stand-in)."""

@@ -1,0 +1,268 @@
+"""``aiter.ops.attention`` stand-ins: the decode planner, the reducer, the PS prefill."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .. import _metadata_ref, dtypes
+from .._standin import attend, dequant, get_cu_num, get_gfx, ints, is_fp8, record, scalar
+
+
+def get_mla_decode_fwd_max_splits(num_head_qo, max_seqlen_qo, q_dtype, kv_dtype):
+    return get_cu_num()  # occupancy 1: the experimental HK m16x4 kernel is off
+
+
+def get_mla_metadata_info_v1(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype,
+                             is_sparse, fast_mode=True, num_kv_splits=32,
+                             intra_batch_mode=False, max_split_per_batch=-1):
+    """Same arithmetic as AITER's (aiter/ops/attention.py), non-experimental."""
+    record("get_mla_metadata_info_v1", batch_size=batch_size, max_seqlen_qo=max_seqlen_qo,
+           num_head_qo=num_head_qo, q_dtype=q_dtype, kv_dtype=kv_dtype, is_sparse=is_sparse,
+           fast_mode=fast_mode)
+    assert num_head_qo % 8 == 0
+    gfx = get_gfx()
+    max_splits = get_mla_decode_fwd_max_splits(num_head_qo, max_seqlen_qo, q_dtype, kv_dtype)
+    eff = 1 if is_sparse else max_seqlen_qo
+    packed = eff * num_head_qo
+    tiles = math.ceil(packed / 16)
+    q8, kv8 = q_dtype == dtypes.fp8, kv_dtype == dtypes.fp8
+    bf = q_dtype == dtypes.bf16 and kv_dtype == dtypes.bf16
+    if (gfx == "gfx950" and bf and packed >= 64 and num_head_qo <= 64
+            and (packed < 128 or num_head_qo == 48)) or (
+            gfx == "gfx950" and q8 and kv8 and num_head_qo == 32 and eff == 3):
+        tiles = eff if num_head_qo * 2 > 64 else math.ceil(packed / 64)
+    elif (num_head_qo == 16 or (gfx == "gfx942" and num_head_qo == 128 and q8 and kv8)
+          or (gfx == "gfx950" and q8 and kv8 and ((num_head_qo == 32 and eff == 4)
+                                                   or num_head_qo in (64, 128)))
+          or (num_head_qo == 64 and q8 and kv8 and eff == 1)):
+        tiles = math.ceil(packed / 128)
+    elif gfx == "gfx950" and (packed >= 128 or num_head_qo > 64) and bf and num_head_qo != 48:
+        tiles = eff if num_head_qo * 2 > 128 else math.ceil(packed / 128)
+    b = batch_size * max_seqlen_qo if is_sparse else batch_size
+    tile_cnt = b * tiles
+    if fast_mode:
+        max_work = (b + max_splits - 1) * tiles
+        max_split_tiles = min(b + max_splits - 1, (max_splits - 1) * 2) * tiles
+    else:
+        max_work = max_split_tiles = tile_cnt * max_splits
+    if max_split_per_batch > 0:
+        max_split_tiles = max(max_split_tiles,
+                              tile_cnt + min(max_splits, max_split_per_batch * b))
+    return (((2), torch.uint64), ((max_splits + 1), torch.int32), ((max_work, 8), torch.int32),
+            ((tile_cnt + 1), torch.int32), ((tile_cnt, 2), torch.int32),
+            (max_split_tiles, torch.int32))
+
+
+def get_mla_metadata_v1(seqlens_qo_indptr, seqlens_kv_indptr, kv_last_page_lens,
+                        num_heads_per_head_k, num_heads_k, is_causal, work_metadata_ptrs,
+                        work_info_set, work_indptr, reduce_indptr, reduce_final_map,
+                        reduce_partial_map, page_size=1, kv_granularity=16, max_seqlen_qo=-1,
+                        uni_seqlen_qo=-1, fast_mode=True, topk=-1, max_split_per_batch=-1,
+                        intra_batch_mode=False, is_cp_round_robin=False, mla_version=0,
+                        dtype_q_nope=None, dtype_q_rope=None, dtype_kv_nope=None,
+                        dtype_kv_rope=None, dtype_q=None, dtype_kv=None):
+    """Runs the statement-by-statement port of AITER's v1_2 planner (``_metadata_ref``)."""
+    record("get_mla_metadata_v1", num_heads_per_head_k=num_heads_per_head_k,
+           num_heads_k=num_heads_k, is_causal=is_causal, page_size=page_size,
+           kv_granularity=kv_granularity, max_seqlen_qo=max_seqlen_qo,
+           uni_seqlen_qo=uni_seqlen_qo, fast_mode=fast_mode, dtype_q=dtype_q, dtype_kv=dtype_kv)
+    assert fast_mode and topk < 0 and not intra_batch_mode and not is_cp_round_robin
+    qd = dtype_q_nope if dtype_q_nope is not None else dtype_q
+    kd = dtype_kv_nope if dtype_kv_nope is not None else dtype_kv
+    bufs = [t.cpu().numpy().copy() for t in (work_info_set, work_indptr, reduce_indptr,
+                                              reduce_final_map, reduce_partial_map)]
+    lds = 160 * 1024 if get_gfx() == "gfx950" else 64 * 1024
+    _metadata_ref.get_mla_metadata_v1_2(
+        seqlens_qo_indptr.cpu().numpy(), seqlens_kv_indptr.cpu().numpy(),
+        kv_last_page_lens.cpu().numpy(), num_heads_per_head_k, num_heads_k, is_causal, *bufs,
+        page_size=page_size, kv_granularity=kv_granularity, max_seqlen_qo=max_seqlen_qo,
+        uni_seqlen_qo=uni_seqlen_qo, max_split_per_batch=max_split_per_batch, arch=get_gfx(),
+        cu_count=get_cu_num(), lds_bytes=lds, q_fp8=qd == dtypes.fp8, kv_fp8=kd == dtypes.fp8)
+    for t, b in zip((work_info_set, work_indptr, reduce_indptr, reduce_final_map,
+                     reduce_partial_map), bufs):
+        t.copy_(torch.from_numpy(b))
+    work_metadata_ptrs.copy_(torch.tensor([work_indptr.data_ptr(), work_info_set.data_ptr()],
+                                          dtype=torch.uint64))
+
+
+def mla_reduce_v1(partial_output, partial_lse, reduce_indptr, reduce_final_map,
+                  reduce_partial_map, max_seqlen_q, num_kv_splits, final_output,
+                  final_lse=None):
+    """Merge every tile with >= 2 partials (natural log); ``+inf`` LSE for an all-empty row."""
+    record("mla_reduce_v1", max_seqlen_q=max_seqlen_q, num_kv_splits=num_kv_splits,
+           partial_rows=partial_output.shape[0], final_shape=tuple(final_output.shape),
+           has_final_lse=final_lse is not None)
+    rows = partial_output.shape[0]
+    dv = final_output.shape[-1]
+    heads = final_output.shape[-2]
+    po = partial_output.reshape(rows, heads, dv)
+    pl = partial_lse.reshape(rows, heads)
+    ri = ints(reduce_indptr)
+    fm = ints(reduce_final_map) if reduce_final_map is not None else None
+    pm = ints(reduce_partial_map)
+    for i in range(len(ri) - 1):
+        lo, hi = ri[i], ri[i + 1]
+        if hi - lo < 2:
+            continue  # unsplit tiles were written by their single work
+        qs, qe = (fm[2 * i], fm[2 * i + 1]) if fm is not None else (
+            i * max_seqlen_q, (i + 1) * max_seqlen_q)
+        n = qe - qs
+        idx = torch.tensor([[pm[k] + r for r in range(n)] for k in range(lo, hi)],
+                           device=po.device)  # [P, n]
+        lse = pl[idx]  # [P, n, H]
+        m = lse.amax(0)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        z = torch.exp(lse - m_safe).sum(0)
+        merged = torch.log(z) + m_safe
+        bad = (z == 0) | torch.isnan(z)
+        merged = torch.where(bad, torch.full_like(merged, math.inf), merged)
+        w = torch.exp(lse - merged)  # [P, n, H]
+        out = (w[..., None] * po[idx]).sum(0)
+        final_output[qs:qe] = out.to(final_output.dtype).reshape(final_output[qs:qe].shape)
+        if final_lse is not None:
+            final_lse[qs:qe] = merged.reshape(final_lse[qs:qe].shape)
+
+
+# --- fp8 PS prefill ---------------------------------------------------------------------------
+
+
+def get_ps_metadata_info_v1(batch_size, num_head_k, max_qlen, qlen_granularity=256):
+    cu_num = get_cu_num()
+    clusters = math.gcd(num_head_k, cu_num)
+    per = cu_num // clusters
+    qsplit = math.ceil(max_qlen / qlen_granularity)
+    tiles = batch_size * qsplit
+    max_works = (batch_size + per - 1) * qsplit * num_head_k
+    max_partials = min(batch_size + per - 1, (per - 1) * 2) * qsplit
+    return ((2, torch.uint64), (cu_num + 1, torch.int32), ((max_works, 8), torch.int32),
+            (tiles + 1, torch.int32), ((tiles, 2), torch.int32), (max_partials, torch.int32))
+
+
+def _ps_cluster(qo, kvp, ctx, num_heads_k, qhead_gran, qlen_gran, kvlen_gran, block_size,
+                is_causal, work_indptr, work_info, tgs, cluster_id, work_idx):
+    """``kn_generate_ps_metadata`` (csrc/kernels/mla/metadata/v1_2_host.cuh), line by line."""
+    bpu = kvlen_gran // block_size
+    tiles, total = [], 0
+    for b in range(len(qo) - 1):
+        qlen, kvlen = qo[b + 1] - qo[b], ctx[b]
+        ranges = [(s, min(s + qlen_gran, qlen)) for s in range(0, qlen, qlen_gran)]
+        for i in range(len(ranges)):
+            idx = i // 2 if i % 2 == 0 else len(ranges) - 1 - i // 2  # ping-pong order
+            lo, hi = ranges[idx]
+            eff = min(kvlen - qlen + hi, kvlen) if is_causal else kvlen
+            units = -(-eff // kvlen_gran)
+            tiles.append((b, lo + qo[b], hi + qo[b], units * bpu, eff))
+            total += units
+    avg, rem = total // tgs, total % tgs
+    tile_i = blk = part = 0
+    for tg in range(tgs):
+        for kh_off in range(num_heads_k):
+            kh = cluster_id * num_heads_k + kh_off
+            rng = ((kh + 1) * qhead_gran << 16) | ((kh * qhead_gran) & 0xFFFF)
+            saved = (tile_i, blk, part)
+            cap = (avg + 1) * bpu if tg < rem else avg * bpu
+            while tile_i < len(tiles) and cap > 0:
+                b, qs, qe, nblk, eff = tiles[tile_i]
+                remaining = nblk - blk
+                rem_len = eff - blk * block_size
+                ks = blk + kvp[b]
+                if rem_len <= cap * block_size:
+                    consume = remaining
+                    ploc = -1 if blk == 0 else qlen_gran * part
+                    part += blk != 0
+                    ke = min(ks + consume, kvp[b + 1])
+                    work_info[work_idx] = (b, ploc, qs, qe, ks, ke, 0, rng)
+                    tile_i, blk = tile_i + 1, 0
+                else:
+                    consume = cap
+                    ploc = qlen_gran * part
+                    part += 1
+                    ke = min(ks + consume, kvp[b + 1])
+                    work_info[work_idx] = (b, ploc, qs, qe, ks, ke,
+                                           ctx[b] - (ke - kvp[b]) * block_size, rng)
+                    blk += consume
+                work_idx += 1
+                cap -= consume
+            if kh_off != num_heads_k - 1:
+                tile_i, blk, part = saved
+        work_indptr[cluster_id * tgs + tg + 1] = work_idx
+    return work_idx
+
+
+def get_ps_metadata_v1(seqlens_qo_indptr, pages_kv_indptr, context_lens, gqa_ratio,
+                       num_heads_k, work_metadata_ptrs, work_indptr, work_info,
+                       reduce_indptr, reduce_final_map, reduce_partial_map,
+                       qhead_granularity=1, qlen_granularity=256, kvlen_granularity=16,
+                       block_size=16, is_causal=True):
+    """AITER's *host* PS planner (``get_ps_metadata_v1_2_host``), ported."""
+    record("get_ps_metadata_v1", gqa_ratio=gqa_ratio, num_heads_k=num_heads_k,
+           qhead_granularity=qhead_granularity, qlen_granularity=qlen_granularity,
+           kvlen_granularity=kvlen_granularity, block_size=block_size, is_causal=is_causal)
+    qo, kvp, ctx = ints(seqlens_qo_indptr), ints(pages_kv_indptr), ints(context_lens)
+    tgs_total = get_cu_num()
+    clusters = math.gcd(num_heads_k, tgs_total)
+    tgs = tgs_total // clusters
+    wi = np.zeros((work_info.shape[0], 8), np.int64)
+    wp = np.zeros(work_indptr.numel(), np.int64)
+    for c in range(clusters):
+        _ps_cluster(qo, kvp, ctx, num_heads_k // clusters, qhead_granularity, qlen_granularity,
+                    kvlen_granularity, block_size, is_causal, wp, wi, tgs, c, int(wp[c * tgs]))
+    actual = int(wp[-1])
+    groups: dict[tuple[int, int], set[int]] = {}
+    for w in range(actual):
+        if wi[w, 1] != -1:
+            groups.setdefault((int(wi[w, 2]), int(wi[w, 3])), set()).add(int(wi[w, 1]))
+    ri = np.zeros(reduce_indptr.numel(), np.int64)
+    fm = np.zeros((reduce_final_map.shape[0], 2), np.int64)
+    pm = np.zeros(reduce_partial_map.numel(), np.int64)
+    fi = pi = 0
+    for key in sorted(groups):
+        locs = sorted(groups[key])
+        ri[fi + 1] = ri[fi] + len(locs)
+        fm[fi] = key
+        pm[pi:pi + len(locs)] = locs
+        fi, pi = fi + 1, pi + len(locs)
+    ri[fi:] = pi
+    for t, a in ((work_indptr, wp), (work_info, wi), (reduce_indptr, ri),
+                 (reduce_final_map, fm), (reduce_partial_map, pm)):
+        t.copy_(torch.from_numpy(a.astype(np.int32)).reshape(t.shape))
+
+
+def mla_prefill_ps_asm_fwd(Q, K, V, qo_indptr, kv_indptr, kv_page_indices, work_indptr,
+                           work_info_set, max_seqlen_q, softmax_scale, is_causal, splitData,
+                           splitLse, output, q_scale=None, k_scale=None, v_scale=None):
+    """Every work: its head range, query rows and KV chunk; partial or final rows."""
+    record("mla_prefill_ps_asm_fwd", q_shape=tuple(Q.shape), q_dtype=Q.dtype,
+           k_dtype=K.dtype, v_dtype=V.dtype, max_seqlen_q=max_seqlen_q,
+           softmax_scale=softmax_scale, is_causal=is_causal,
+           scales=(scalar(q_scale), scalar(k_scale), scalar(v_scale)),
+           split_rows=splitData.shape[0])
+    assert is_fp8(Q) and is_fp8(K) and is_fp8(V), "the PS asm prefill takes fp8 q, k, v"
+    qf, kf, vf = dequant(Q, q_scale), dequant(K, k_scale), dequant(V, v_scale)
+    qo, kvp, kvi = ints(qo_indptr), ints(kv_indptr), ints(kv_page_indices)
+    wp, wi = ints(work_indptr), ints(work_info_set)
+    for w in range(wp[-1]):
+        b, ploc, qs, qe, ks, ke, _, rng = wi[8 * w: 8 * w + 8]
+        h0, h1 = rng & 0xFFFF, (rng >> 16) & 0xFFFF
+        rows = torch.arange(qs, qe, device=Q.device)
+        idx = torch.tensor(kvi[ks:ke], device=Q.device, dtype=torch.long)
+        i = rows - qo[b]
+        j = torch.arange(ks, ke, device=Q.device) - kvp[b]
+        shift = (kvp[b + 1] - kvp[b]) - (qo[b + 1] - qo[b])
+        vis = j[None, :] <= i[:, None] + shift if is_causal else torch.ones(
+            len(rows), len(j), dtype=torch.bool, device=Q.device)
+        outs, lses = [], []
+        for h in range(h0, h1):  # one KV head per query head (gqa 1)
+            o, lse = attend(qf[qs:qe, h:h + 1], kf[idx, h], vf[idx, h], vis, softmax_scale)
+            outs.append(o[:, 0])
+            lses.append(lse[:, 0])
+        o = torch.stack(outs, 1)
+        lse = torch.stack(lses, 1)
+        if ploc < 0:
+            output[qs:qe, h0:h1] = o.to(output.dtype)
+        else:
+            splitData[ploc:ploc + (qe - qs), h0:h1] = o
+            splitLse[ploc:ploc + (qe - qs), h0:h1] = lse

@@ -1,0 +1,44 @@
+"""Test helpers: the stand-in ``aiter`` on ``sys.path`` only while a test needs it."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+
+STANDIN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _drop_aiter_modules():
+    for name in [m for m in sys.modules if m == "aiter" or m.startswith("aiter.")]:
+        del sys.modules[name]
+
+
+@contextlib.contextmanager
+def standin(arch: str = "gfx950", cu_num: int | None = 8):
+    """Import the stand-in as ``aiter`` (configured for ``arch``/``cu_num``); undo afterwards."""
+    _drop_aiter_modules()
+    sys.path.insert(0, STANDIN_DIR)
+    importlib.invalidate_caches()
+    try:
+        aiter = importlib.import_module("aiter")
+        assert getattr(aiter, "STANDIN", False), "a real aiter shadows the stand-in"
+        aiter.configure(arch=arch, cu_num=cu_num)
+        aiter.reset_calls()
+        yield aiter
+    finally:
+        sys.path.remove(STANDIN_DIR)
+        _drop_aiter_modules()
+        importlib.invalidate_caches()
+
+
+def load_metadata_ref():
+    """The plain-Python port of AITER's planner, without making ``aiter`` importable."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_aiter_metadata_ref", os.path.join(STANDIN_DIR, "aiter", "_metadata_ref.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
