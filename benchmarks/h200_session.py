@@ -1,6 +1,8 @@
-"""One device session on the H200: correctness on the GPU, a tile sweep, and the benchmark.
+"""One device session on the H200: GPU correctness, tile sweeps, and the benchmarks, in one call.
 
-Run from the repo root on the GPU machine (see benchmarks/README.md); writes under $OUT.
+Run from the repo root on the GPU machine (see benchmarks/README.md), e.g.
+``python benchmarks/h200_session.py tests,tune,prefill_tune``; every stage writes under $OUT and
+a failing stage is logged without stopping the others.
 """
 
 import json
@@ -9,39 +11,103 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 OUT = os.environ.get("OUT", "/tmp/out")
 STAGES = sys.argv[1].split(",") if len(sys.argv) > 1 else ["tests", "tune", "bench"]
+T0 = time.time()
 
 
 def log(*a):
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def _pytest(name, files, timeout):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        text, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"TIMEOUT after {timeout}s\n{e.stdout or ''}", -1
+    open(f"{OUT}/pytest_{name}.txt", "w").write(text if isinstance(text, str) else str(text))
+    tail = [ln for ln in str(text).strip().splitlines() if ln.strip()][-3:]
+    log(f"pytest {name} rc={rc}", " | ".join(tail))
+
+
+def stage_env():
+    import jax
+
+    log("devices", jax.devices(), "jax", jax.__version__)
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,"
+                        "power.draw,temperature.gpu", "--format=csv"], capture_output=True,
+                       text=True)
+    log(r.stdout.strip())
 
 
 def stage_tests():
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           "tests/test_conformance.py"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    open(f"{OUT}/pytest_gpu.txt", "w").write(r.stdout + r.stderr)
-    tail = r.stdout.strip().splitlines()[-1:] if r.stdout else r.stderr[-2000:]
-    log("pytest rc", r.returncode, tail)
+    _pytest("conformance", ["tests/test_conformance.py"], 400)
 
 
-def stage_tune():
+def stage_tests_more():
+    _pytest("errors_merge", ["tests/test_errors.py", "tests/test_merge.py"], 200)
+
+
+def _tune(plan_fn, name):
+    import numpy as np
+
     from jax_mla.bench import decode
     from jax_mla.bench.timing import ceilings
 
     ceil = ceilings()
-    shapes = [decode.Shape(64, 16, 8192), decode.Shape(128, 128, 4096),
-              decode.Shape(64, 16, 4096, qlen=4)]
-    configs = [(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
-    rows = decode.tune(shapes, configs, ceil, np.random.default_rng(0))
-    json.dump({"ceil": ceil, "rows": rows}, open(f"{OUT}/tune.json", "w"), indent=1)
+    log("ceilings", {k: f"{v:.4g}" for k, v in ceil.items()})
+    rows = decode.tune(plan_fn(decode), ceil, np.random.default_rng(0))
+    json.dump({"ceil": ceil, "rows": rows}, open(f"{OUT}/{name}.json", "w"), indent=1)
     for r in rows:
-        log(r.get("shape"), r.get("block_n"), r.get("num_warps"), r.get("num_stages"),
+        log(r["shape"], r["block_n"], r["num_warps"], r["num_stages"], r["ctas_per_sm"],
+            r["max_rows"],
             f"{r.get('us', float('nan')):.1f}us", f"{r.get('kv_TBps', float('nan')):.2f}TB/s",
             f"{r.get('TFLOPs', float('nan')):.0f}TF", r.get("error", ""))
+
+
+def _decode_plan(d):
+    s = d.Shape
+    return [
+        (s(64, 16, 8192), [(64, 4, 3, 2), (64, 4, 2, 2), (32, 4, 3, 2), (64, 8, 3, 2),
+                           (32, 4, 2, 2), (64, 4, 3, 1), (64, 4, 3, 4), (128, 8, 2, 2),
+                           (16, 4, 4, 2)]),
+        (s(64, 16, 4096, page=1), [(64, 4, 2, 2), (64, 4, 3, 2), (32, 4, 3, 2), (32, 4, 2, 2)]),
+        (s(64, 16, 4096, qlen=2), [(32, 4, 2, 2), (32, 4, 3, 2), (64, 4, 2, 2), (32, 8, 2, 2)]),
+        (s(64, 16, 4096, qlen=4), [(64, 8, 2, 2), (32, 8, 2, 2), (64, 8, 3, 2), (32, 8, 3, 2)]),
+        (s(128, 128, 4096), [(64, 8, 2, 2), (32, 8, 2, 2), (64, 8, 2, 1), (64, 8, 3, 2),
+                             (32, 8, 2, 2, 32), (64, 4, 2, 2, 32), (32, 4, 3, 2, 32),
+                             (16, 4, 3, 2, 32)]),
+    ]
+
+
+def stage_tune():
+    _tune(_decode_plan, "tune_decode")
+
+
+def stage_prefill_tune():
+    import jax.numpy as jnp
+
+    from jax_mla.backends.triton_prefill import TUNING_CONFIGS
+    from jax_mla.bench import prefill
+    from jax_mla.bench.timing import device_time
+
+    shapes = [prefill.uniform(2, 8192, 16), prefill.uniform(2, 8192, 128),
+              prefill.uniform(16, 1024, 16)]
+    rows = prefill.tune_prefill(device_time, shapes=shapes, configs=TUNING_CONFIGS,
+                                dtype=jnp.bfloat16)
+    json.dump(rows, open(f"{OUT}/tune_prefill.json", "w"), indent=1, default=float)
+    for r in rows:
+        log(r["shape"], r["block_m"], r["block_n"], r["num_warps"], r["num_stages"],
+            f"{r['us']:.1f}us {r['TFLOPs']:.0f}TF")
+
+
+def stage_prefill():
+    from jax_mla.bench.prefill import main
+
+    main(["--out", f"{OUT}/prefill.json"])
 
 
 def stage_bench():
@@ -59,3 +125,4 @@ for st in STAGES:
 
         traceback.print_exc()
         log("stage failed", st, repr(e)[:500])
+log("done")

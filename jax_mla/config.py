@@ -4,6 +4,10 @@
   NaN (floats) or -1 (ints) before they run, so a lane a kernel forgets to write is caught.
 - ``JAX_MLA_TRITON_BLOCK_N`` / ``_WARPS`` / ``_STAGES``: override the Triton decode tile
   (for tuning sweeps; the defaults were picked on the H200).
+- ``JAX_MLA_TRITON_MAX_ROWS``: most MMA rows (query tokens x heads) one decode program holds
+  (default 64; tuning sweeps).
+- ``JAX_MLA_TRITON_CTAS_PER_SM``: programs per multiprocessor the split schedule aims at
+  (default 2; tuning sweeps).
 - ``TRITON_INTERPRET``: Triton's own switch; on CPU jax_mla sets it to 1 if triton is not yet
   imported (see ``backends/triton_launch.py``).
 """
@@ -37,3 +41,13 @@ def triton_decode_overrides() -> dict:
     names = {"block_n": "JAX_MLA_TRITON_BLOCK_N", "num_warps": "JAX_MLA_TRITON_WARPS",
              "num_stages": "JAX_MLA_TRITON_STAGES"}
     return {k: int(os.environ[v]) for k, v in names.items() if os.environ.get(v)}
+
+
+def triton_ctas_per_sm() -> int | None:
+    v = os.environ.get("JAX_MLA_TRITON_CTAS_PER_SM")
+    return int(v) if v else None
+
+
+def triton_max_rows() -> int | None:
+    v = os.environ.get("JAX_MLA_TRITON_MAX_ROWS")
+    return int(v) if v else None

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax_mla.backends import current_platform
 from jax_mla.backends.triton_launch import GPU_PLATFORMS, triton_call, triton_importable
 from jax_mla.cache import is_fp8
-from jax_mla.config import triton_decode_overrides
+from jax_mla.config import triton_ctas_per_sm, triton_decode_overrides, triton_max_rows
 from jax_mla.schedule import SplitSchedule, plan_splits
 
 _LOG2E = 1.4426950408889634
@@ -24,6 +24,12 @@ _LOG2E = 1.4426950408889634
 # [rows, 512], which is what the register file bounds.
 _MAX_ROWS = 64
 _CTAS_PER_SM = 2
+# Decode tiles by MMA rows (Q * heads per block), from the H200 sweep in benchmarks/results.
+_GPU_TILES = {
+    16: {"block_n": 64, "num_warps": 4, "num_stages": 3},
+    32: {"block_n": 32, "num_warps": 4, "num_stages": 2},
+    64: {"block_n": 64, "num_warps": 8, "num_stages": 2},
+}
 
 
 def _next_pow2(n: int) -> int:
@@ -42,17 +48,19 @@ class KernelConfig:
 
 def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> KernelConfig:
     """Tile shape for ``H`` heads x ``Q`` tokens (tuned on the H200; see benchmarks/results)."""
-    if qlen * num_heads <= _MAX_ROWS:
+    max_rows = triton_max_rows() or _MAX_ROWS
+    if qlen * num_heads <= max_rows:
         hb = num_heads
     else:
-        hb = max(1, _MAX_ROWS // qlen)
+        hb = max(1, max_rows // qlen)
     nhb = -(-num_heads // hb)
     block_m = max(16, _next_pow2(qlen * hb))
     if platform not in GPU_PLATFORMS:
         # Interpreter: small tiles keep CI fast and exercise several tiles per work.
         return KernelConfig(hb, nhb, block_m, 16, 1, 1)
-    tile = {"block_n": 64 if block_m <= 32 else 32, "num_warps": 4 if block_m <= 32 else 8,
-            "num_stages": 2}
+    tile = dict(_GPU_TILES[min(block_m, 64)])
+    if page_size % tile["block_n"] and block_m <= 16:
+        tile["num_stages"] = 2  # per-row table gathers: a shallower pipeline measured faster
     tile.update(triton_decode_overrides())
     return KernelConfig(hb, nhb, block_m, **tile)
 
@@ -64,7 +72,8 @@ def num_sms(platform: str) -> int:
 
 
 def target_works(cfg: KernelConfig, platform: str) -> int:
-    return max(1, num_sms(platform) * _CTAS_PER_SM // cfg.num_head_blocks)
+    ctas = triton_ctas_per_sm() or _CTAS_PER_SM
+    return max(1, num_sms(platform) * ctas // cfg.num_head_blocks)
 
 
 def plan(metadata, num_heads: int, platform: str) -> SplitSchedule:
@@ -115,18 +124,18 @@ class TritonBackend:
             _kernels().mla_decode_kernel,
             q, kv, md.block_table, md.paged_kv_indptr, sched.work_info_set, sched.num_works,
             kv_scale_arr,
-            grid=(sched.max_works, cfg.num_head_blocks),
+            grid=(sched.max_works * cfg.num_head_blocks,),
             out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), out_dtype),
                         jax.ShapeDtypeStruct((t_rows, h), f32),
                         jax.ShapeDtypeStruct((prow, h, lr), f32),
                         jax.ShapeDtypeStruct((prow, h), f32)],
             platform=platform, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             QK_SCALE=float(scale * _LOG2E), H=h, MAX_PAGES=md.max_pages, Q=md.qlen,
-            HB=cfg.heads_per_block,
+            HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks,
             BLOCK_M=cfg.block_m, L=lr, R=rd, BLOCK_L=_next_pow2(lr), BLOCK_R=_next_pow2(rd),
             BLOCK_N=cfg.block_n, PAGE_SIZE=md.page_size,
             TILE_IN_PAGE=md.page_size % cfg.block_n == 0, HAS_KV_SCALE=has_scale,
-            UPCAST=upcast,
+            UPCAST=upcast, IEEE=(not upcast) and jnp.dtype(q.dtype) == jnp.float32,
         )
         return reduce_partials(part_out, part_lse, sched, out, lse, platform=platform)
 
@@ -135,17 +144,18 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
     """Merge split partials into ``out``/``lse`` in place (tiles with < 2 partials untouched)."""
     t_rows, h, lr = out.shape
     block_h = min(16, _next_pow2(h))
+    block_l = min(128, _next_pow2(lr))
     tiles = sched.reduce_final_map.shape[0]
     out, lse = triton_call(
         _kernels().mla_reduce_kernel,
         part_out, part_lse, sched.reduce_indptr, sched.reduce_final_map,
         sched.reduce_partial_map, out, lse,
-        grid=(tiles, math.ceil(h / block_h)),
+        grid=(tiles, math.ceil(h / block_h), math.ceil(lr / block_l)),
         out_shapes=[jax.ShapeDtypeStruct(out.shape, out.dtype),
                     jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
         input_output_aliases={5: 0, 6: 1},
         platform=platform, num_warps=4, num_stages=1,
-        H=h, L=lr, BLOCK_H=block_h, BLOCK_L=_next_pow2(lr), MAX_ROWS=sched.qlen,
+        H=h, L=lr, BLOCK_H=block_h, BLOCK_L=block_l, MAX_ROWS=sched.qlen,
     )
     return out, lse
 

@@ -11,7 +11,7 @@ import numpy as np
 
 import jax_mla
 from jax_mla.backends import current_platform, resolve_backend
-from jax_mla.bench.timing import device_time
+from jax_mla.bench.timing import device_time, dispatch_time
 from jax_mla.testing import rel_err
 
 L, R = 512, 64
@@ -100,26 +100,32 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) 
     for name in backends:
         impl = resolve_backend(name, current_platform())
 
-        def e2e(q, cache, table, lens, name=name):
-            md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
-                                               qlen=shape.qlen, num_heads=shape.heads,
-                                               backend=name)
+        def build(table, lens, name=name):
+            return jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
+                                                 qlen=shape.qlen, num_heads=shape.heads,
+                                                 backend=name)
+
+        def e2e(q, cache, md, name=name):
+            # What a model calls once per layer: head padding, kernels, merge, unpadding.
             return jax_mla.mla_attention(q, cache, md, scale=scale, backend=name,
                                          return_lse=True)
 
-        md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page, qlen=shape.qlen,
-                                           num_heads=shape.heads, backend=name)
+        md = jax.jit(build)(table, lens)
 
         def kernels(q, cache, md, impl=impl):
             return impl.decode(q, cache, md, scale=scale, kv_lora_rank=L, q_scale=None,
                                kv_scale=None)
 
-        t_e2e = device_time(e2e, q, cache, table, lens)
+        t_e2e = device_time(e2e, q, cache, md)
+        t_dispatch = dispatch_time(e2e, q, cache, md)  # cross-check: an upper bound
         t_k = device_time(kernels, q, cache, md) if name != "xla" else t_e2e
-        outs[name] = jax.jit(e2e)(q, cache, table, lens)
+        # Metadata (and the split plan) is built once per step and shared by every layer.
+        t_plan = device_time(build, table, lens)
+        outs[name] = jax.jit(e2e)(q, cache, md)
         row = {"shape": shape.name, "tag": shape.tag, "backend": name, **dataclasses.asdict(shape),
                **roofline(shape, lens_np, t_e2e, ceil), "kernel_us": t_k * 1e6,
-               "e2e_over_kernel": t_e2e / t_k}
+               "e2e_over_kernel": t_e2e / t_k, "metadata_us": t_plan * 1e6,
+               "dispatch_us": t_dispatch * 1e6}
         rows.append(row)
     if "xla" in outs:
         ref_o, ref_l = outs["xla"]
@@ -133,18 +139,26 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) 
     return rows
 
 
-def tune(shapes, configs, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
-    """Kernel-only time of the Triton backend for each tile config (env overrides) and shape."""
+def tune(plan, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
+    """Kernel-only time of the Triton backend per tile config (env overrides) and shape.
+
+    ``plan`` is a list of ``(Shape, [(block_n, num_warps, num_stages, ctas_per_sm[, max_rows]),
+    ...])``.
+    """
     import os
 
     impl = resolve_backend("triton", current_platform())
+    names = ("JAX_MLA_TRITON_BLOCK_N", "JAX_MLA_TRITON_WARPS", "JAX_MLA_TRITON_STAGES",
+             "JAX_MLA_TRITON_CTAS_PER_SM", "JAX_MLA_TRITON_MAX_ROWS")
     rows = []
-    for shape in shapes:
+    for shape, configs in plan:
         q, cache, table, lens = make_inputs(shape, rng)
         for cfg in configs:
-            env = {"JAX_MLA_TRITON_BLOCK_N": cfg[0], "JAX_MLA_TRITON_WARPS": cfg[1],
-                   "JAX_MLA_TRITON_STAGES": cfg[2]}
+            env = dict(zip(names, cfg))
             os.environ.update({k: str(v) for k, v in env.items()})
+            row = {"shape": shape.name, "block_n": cfg[0], "num_warps": cfg[1],
+                   "num_stages": cfg[2], "ctas_per_sm": cfg[3] if len(cfg) > 3 else None,
+                   "max_rows": cfg[4] if len(cfg) > 4 else None}
             try:
                 md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
                                                    qlen=shape.qlen, num_heads=shape.heads,
@@ -155,13 +169,11 @@ def tune(shapes, configs, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
                                        kv_scale=None)
 
                 t = device_time(kernels, q, cache, md)
-                rows.append({"shape": shape.name, "block_n": cfg[0], "num_warps": cfg[1],
-                             "num_stages": cfg[2],
-                             **roofline(shape, np.asarray(lens), t, ceil)})
+                rows.append({**row, **roofline(shape, np.asarray(lens), t, ceil)})
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is data too
-                rows.append({"shape": shape.name, "block_n": cfg[0], "num_warps": cfg[1],
-                             "num_stages": cfg[2], "error": repr(e)[:200]})
+                rows.append({**row, "error": repr(e)[:300]})
             finally:
                 for k in env:
                     os.environ.pop(k, None)
+            print("tune", rows[-1], flush=True)
     return rows

@@ -6,8 +6,14 @@ verify tokens and heads into one MMA tile, so each latent KV row is read once pe
 block, not once per query token. The latent row ``[kv_c | k_pe]`` is both key (all ``L + R``
 columns) and value (the first ``L``): one load serves both products.
 
-Scores are kept in the base-2 domain (``scale * log2(e)`` folded in), accumulation is float32,
-and a row that sees no key keeps ``l = 0``: its output is 0 and its LSE ``-inf``.
+The grid is one axis, head block fastest: the programs that read the same KV range for different
+head blocks run side by side, so the second read of a tile comes from L2, not HBM (128 heads).
+
+Each work's KV range is walked in two loops: tiles every query row sees whole (no masks at all,
+the hot loop), then the tail (the ragged end of the range and the causal diagonal of a verify
+block) with masks. Scores are kept in the base-2 domain (``scale * log2(e)`` folded in),
+accumulation is float32, and a row that sees no key keeps ``l = 0``: its output is 0 and its LSE
+``-inf``.
 """
 
 import triton
@@ -17,14 +23,102 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _kv_rows(bt_row_ptr, start, pos, valid, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    # float32 operands ask for true fp32 products (the exact path); 16-bit ones take the default.
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _dot0(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _kv_rows(bt_row_ptr, start, pos, valid, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+             MASKED: tl.constexpr):
     """Flat cache row (int64) of each logical position through the block table."""
     if TILE_IN_PAGE:
         # Tiles start on a multiple of BLOCK_N, which divides the page: one table load.
         phys = tl.load(bt_row_ptr + start // PAGE_SIZE).to(tl.int64)
         return phys * PAGE_SIZE + (pos % PAGE_SIZE)
-    phys = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    if MASKED:
+        phys = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        phys = tl.load(bt_row_ptr + pos // PAGE_SIZE).to(tl.int64)
+    if PAGE_SIZE == 1:
+        return phys
     return phys * PAGE_SIZE + (pos % PAGE_SIZE)
+
+
+@triton.jit
+def _load_kv(kv_ptr, rows, offs_l, offs_r, valid, L: tl.constexpr, R: tl.constexpr,
+             EVEN_L: tl.constexpr, EVEN_R: tl.constexpr, MASKED: tl.constexpr):
+    """``k_nope [BLOCK_N, BLOCK_L]`` and ``k_pe [BLOCK_N, BLOCK_R]`` of the given cache rows."""
+    D: tl.constexpr = L + R
+    base = kv_ptr + rows[:, None] * D
+    if MASKED:
+        k_nope = tl.load(base + offs_l[None, :], mask=valid[:, None] & (offs_l[None, :] < L),
+                         other=0.0)
+        k_pe = tl.load(base + L + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R),
+                       other=0.0)
+    else:
+        if EVEN_L:
+            k_nope = tl.load(base + offs_l[None, :])
+        else:
+            k_nope = tl.load(base + offs_l[None, :], mask=offs_l[None, :] < L, other=0.0)
+        if EVEN_R:
+            k_pe = tl.load(base + L + offs_r[None, :])
+        else:
+            k_pe = tl.load(base + L + offs_r[None, :], mask=offs_r[None, :] < R, other=0.0)
+    return k_nope, k_pe
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale,
+            L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+            EVEN_L: tl.constexpr, EVEN_R: tl.constexpr, MASKED: tl.constexpr,
+            UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax of the query rows over KV positions ``lo .. hi`` (tiles of BLOCK_N).
+
+    Unmasked (``MASKED`` false): every position of every tile is below ``hi`` and below every
+    row's causal bound, so there is no mask and the running max is finite after one tile.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        rows = _kv_rows(bt_row, start, pos, valid, PAGE_SIZE, TILE_IN_PAGE, MASKED)
+        k_nope, k_pe = _load_kv(kv_ptr, rows, offs_l, offs_r, valid, L, R, EVEN_L, EVEN_R,
+                                MASKED)
+        if UPCAST:
+            k_nope = k_nope.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        else:
+            k_nope = k_nope.to(q_nope.dtype)
+            k_pe = k_pe.to(q_pe.dtype)
+        s = _dot(q_nope, tl.trans(k_nope), _dot0(q_pe, tl.trans(k_pe), IEEE), IEEE)
+        s = s * qk_scale
+        if MASKED:
+            s = tl.where(pos[None, :] < bound[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row that has seen nothing keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_sub = m_new
+        alpha = tl.math.exp2(m_i - m_sub)
+        p = tl.math.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], IEEE)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -32,16 +126,19 @@ def mla_decode_kernel(
     q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, num_works_ptr, kv_scale_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     QK_SCALE: tl.constexpr, H: tl.constexpr, MAX_PAGES: tl.constexpr, Q: tl.constexpr,
-    HB: tl.constexpr, BLOCK_M: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+    HB: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_M: tl.constexpr, L: tl.constexpr,
+    R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    w = tl.program_id(0)
-    hb = tl.program_id(1)
+    pid = tl.program_id(0)
+    w = pid // NUM_HB
+    hb = pid % NUM_HB
     if w >= tl.load(num_works_ptr):
         return
     D: tl.constexpr = L + R
+    EVEN_L: tl.constexpr = BLOCK_L == L
+    EVEN_R: tl.constexpr = BLOCK_R == R
     wp = work_ptr + w * 8
     b = tl.load(wp)
     ploc = tl.load(wp + 1)
@@ -78,30 +175,14 @@ def mla_decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * MAX_PAGES
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < hi
-        rows = _kv_rows(bt_row, start, pos, valid, PAGE_SIZE, TILE_IN_PAGE)
-        k_nope = tl.load(kv_ptr + rows[:, None] * D + offs_l[None, :],
-                         mask=valid[:, None] & (offs_l[None, :] < L), other=0.0)
-        k_pe = tl.load(kv_ptr + rows[:, None] * D + L + offs_r[None, :],
-                       mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
-        if UPCAST:
-            k_nope = k_nope.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        else:
-            k_nope = k_nope.to(q_nope.dtype)
-            k_pe = k_pe.to(q_pe.dtype)
-        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))
-        s = s * qk_scale
-        s = tl.where(pos[None, :] < bound[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
-        m_i = m_new
+    # Tiles below `full` are seen whole by every row (row 0 has the lowest bound, seq - Q + 1).
+    full = lo + (tl.maximum(tl.minimum(hi, seq - Q + 1) - lo, 0) // BLOCK_N) * BLOCK_N
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, full, bound,
+                            qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
+                            EVEN_L, EVEN_R, False, UPCAST, IEEE)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, full, hi, bound,
+                            qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
+                            EVEN_L, EVEN_R, True, UPCAST, IEEE)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -131,13 +212,16 @@ def mla_reduce_kernel(
 ):
     """Merge the split partials of one query tile (AITER's ``mla_reduce_v1`` semantics).
 
-    Tile ``i`` owns partials ``partial_map[reduce_indptr[i]:reduce_indptr[i+1]]`` (row offsets
-    into the partial buffers) and final rows ``final_map[i] = (qo_start, qo_end)``. Tiles with
-    fewer than two partials were written whole by the decode kernel and are left alone
-    (``out_in``/``lse_in`` alias ``out``/``lse``).
+    Grid ``(tiles, head blocks, latent blocks)``. Tile ``i`` owns partials
+    ``partial_map[reduce_indptr[i]:reduce_indptr[i+1]]`` (row offsets into the partial buffers)
+    and final rows ``final_map[i] = (qo_start, qo_end)``. Tiles with fewer than two partials were
+    written whole by the decode kernel and are left alone (``out_in``/``lse_in`` alias
+    ``out``/``lse``). Every latent block recomputes the (cheap) weights, so the one that holds
+    column 0 also writes the LSE.
     """
     i = tl.program_id(0)
     hb = tl.program_id(1)
+    lb = tl.program_id(2)
     p0 = tl.load(reduce_indptr_ptr + i)
     p1 = tl.load(reduce_indptr_ptr + i + 1)
     if p1 - p0 < 2:
@@ -145,7 +229,7 @@ def mla_reduce_kernel(
     q0 = tl.load(final_map_ptr + 2 * i)
     q1 = tl.load(final_map_ptr + 2 * i + 1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_l = tl.arange(0, BLOCK_L)
+    offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
     h_ok = offs_h < H
     mask = h_ok[:, None] & (offs_l[None, :] < L)
     for r in range(0, MAX_ROWS):
@@ -171,8 +255,9 @@ def mla_reduce_kernel(
             empty = z == 0.0
             z_safe = tl.where(empty, 1.0, z)
             o = tl.where(empty[:, None], 0.0, acc / z_safe[:, None])
-            lse = tl.where(empty, float("-inf"), m_safe + tl.log(z_safe))
             orow = (q0 + r).to(tl.int64) * H + offs_h
             tl.store(out_ptr + orow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=mask)
-            tl.store(lse_ptr + orow, lse, mask=h_ok)
+            if lb == 0:
+                lse = tl.where(empty, float("-inf"), m_safe + tl.log(z_safe))
+                tl.store(lse_ptr + orow, lse, mask=h_ok)
