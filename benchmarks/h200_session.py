@@ -47,6 +47,19 @@ def stage_tests():
     _pytest("conformance", ["tests/test_conformance.py"], 400)
 
 
+def stage_aiter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        r = subprocess.run([sys.executable, "benchmarks/gpu_aiter_bridge.py"], capture_output=True,
+                           text=True, timeout=120, env=env)
+        text = r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        text = f"TIMEOUT\n{e.stdout or ''}"
+    open(f"{OUT}/aiter_bridge_log.txt", "w").write(str(text))
+    log("aiter bridge:", " | ".join(str(text).strip().splitlines()[-14:]))
+    _pytest("aiter", ["tests/test_aiter_bridge.py"], 150)
+
+
 def stage_tests_more():
     _pytest("errors_merge", ["tests/test_errors.py", "tests/test_merge.py"], 200)
 
@@ -108,6 +121,54 @@ def stage_prefill():
     from jax_mla.bench.prefill import main
 
     main(["--out", f"{OUT}/prefill.json"])
+
+
+def stage_bench_inc():
+    """The decode benchmark grid, written to $OUT after every shape (a timeout keeps the rest)."""
+    import numpy as np
+
+    import jax_mla
+    from jax_mla.bench import decode
+    from jax_mla.bench.__main__ import environment, write
+    from jax_mla.bench.timing import ceilings
+
+    env = environment()
+    ceil = ceilings()
+    env.update(ceil)
+    log("ceilings", ceil)
+    backends = [b for b in jax_mla.available_backends() if b != "aiter"]
+    rng = np.random.default_rng(0)
+    rows = []
+    for shape in decode.target_shapes():
+        try:
+            rows += decode.run_shape(shape, backends, ceil, rng)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"shape": shape.name, "error": repr(e)[:300]})
+        write(rows, env, f"{OUT}", "decode")
+        for r in rows[-len(backends):]:
+            log(r.get("shape"), r.get("backend"), f"{r.get('us', float('nan')):.1f}us",
+                f"k {r.get('kernel_us', float('nan')):.1f}",
+                f"disp {r.get('dispatch_us', float('nan')):.1f}",
+                f"md {r.get('metadata_us', float('nan')):.1f}",
+                f"{r.get('kv_TBps', float('nan')):.2f}TB/s {r.get('TFLOPs', float('nan')):.0f}TF",
+                f"x{r.get('speedup_vs_xla', float('nan')):.2f} err {r.get('rel_err_vs_xla')}",
+                r.get("error", ""))
+
+
+def _mini_plan(d):
+    s = d.Shape
+    return [(s(64, 16, 8192), [(64, 4, 2, 2), (32, 4, 3, 2), (64, 4, 3, 4)]),
+            (s(128, 128, 4096), [(32, 8, 2, 2), (64, 8, 2, 1), (32, 4, 3, 2, 32)])]
+
+
+def stage_mini_tune():
+    _tune(_mini_plan, "tune_decode")
+
+
+def stage_dcp():
+    from jax_mla.bench.dcp_split import main
+
+    main(["--out", f"{OUT}/dcp"])
 
 
 def stage_bench():

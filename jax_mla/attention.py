@@ -145,8 +145,10 @@ def _mla_attention(q, kv_cache, md, q_scale, kv_scale, *, scale, backend, return
     h = problem.num_heads
     hp = impl.padded_heads(problem)
     qp = _heads.pad_heads(q, h, hp)
+    # A backend whose kernels only return an LSE when asked (aiter) is told whether it is needed.
+    extra = {"return_lse": return_lse} if getattr(impl, "decode_takes_return_lse", False) else {}
     out, lse = impl.decode(qp, kv_cache, md, scale=scale, kv_lora_rank=problem.kv_lora_rank,
-                           q_scale=q_scale, kv_scale=kv_scale)
+                           q_scale=q_scale, kv_scale=kv_scale, **extra)
     out = _heads.unpad_heads(out, h, hp)
     out_dtype = jnp.bfloat16 if is_fp8(q.dtype) else q.dtype
     out = out.astype(out_dtype)

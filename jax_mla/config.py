@@ -22,7 +22,7 @@ def poison_outputs() -> bool:
 
 
 def aiter_small_head_mode() -> str:
-    """``JAX_MLA_AITER_SMALL_HEAD_MODE`` in ``auto`` (default), ``gluon``, ``asm`` (case-insensitive).
+    """``JAX_MLA_AITER_SMALL_HEAD_MODE``: ``auto`` (default), ``gluon`` or ``asm`` (any case).
 
     How AITER serves fewer than 16 decode heads (vLLM's ``VLLM_ROCM_AITER_MLA_ASM_PADDING``):
     ``auto`` uses the Gluon kernel for divisors of 16 on gfx950 and padded asm otherwise,

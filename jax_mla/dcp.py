@@ -20,6 +20,10 @@ sees the global prefix ``S - Q + t + 1``, whose local part on a rank is a local 
 sit on different ranks), so the local call treats every row as its own ``qlen = 1`` request with
 its own length and its request's block table row (:func:`dcp_local_metadata`).
 
+New tokens are written only on the rank that owns them: :func:`dcp_slot_mapping` for one rank,
+:func:`dcp_write_kv_cache` for the whole sharded cache inside ``jit``. :func:`dcp_shard_cache`
+moves an existing single-device cache into this layout.
+
 Everything here is ``jax.numpy``: the rank may be a traced ``jax.lax.axis_index``.
 """
 
@@ -35,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mla.attention import mla_attention
-from jax_mla.cache import check_cache, is_fp8
+from jax_mla.cache import check_cache, is_fp8, write_kv_cache
 from jax_mla.merge import merge_lse_weights, sanitize_lse, weighted_sum
 from jax_mla.metadata import DecodeMetadata, build_decode_metadata, flat_slot_ids
 
@@ -52,6 +56,7 @@ __all__ = [
     "dcp_shardings",
     "dcp_slot_mapping",
     "dcp_verify_row_lens",
+    "dcp_write_kv_cache",
 ]
 
 
@@ -328,6 +333,58 @@ def _check_mesh(mesh, dcp_axis, head_axis):
         raise ValueError(f"head_axis and dcp_axis must differ, both are {dcp_axis!r}")
 
 
+def dcp_write_kv_cache(kv_cache, kv_c, k_pe, positions, request_ids, block_tables, *,
+                       mesh: Mesh, interleave: int = 1, dcp_axis: str = "dcp", k_scale=None):
+    """Write new tokens into a DCP-sharded cache: each row lands only on the rank that owns it.
+
+    Every rank sees all ``T`` new rows (replicated) and writes the ones :func:`dcp_slot_mapping`
+    gives it; nothing is communicated.
+
+    Args:
+      kv_cache: ``[N * P_local, page_size, L + R]``, pages sharded over ``dcp_axis``.
+      kv_c: ``[T, L]``, k_pe: ``[T, R]`` (or ``[T, 1, R]``) the new tokens' latents.
+      positions: ``[T]`` int global positions (negative = padding, skipped).
+      request_ids: ``[T]`` int request of each token (row of the block tables).
+      block_tables: ``[N, B, max_pages_local]`` int32 rank-local tables, axis 0 over ``dcp_axis``.
+      mesh, interleave, dcp_axis: as in :func:`dcp_mla_attention` (static).
+      k_scale: per-tensor float32 scale of an fp8 cache (as in :func:`jax_mla.write_kv_cache`).
+    Returns:
+      The updated cache, same shape and sharding. Jittable.
+    """
+    _check_mesh(mesh, dcp_axis, None)
+    check_cache(kv_cache)
+    n = mesh.shape[dcp_axis]
+    _check_layout(n, interleave, kv_cache.shape[1])
+    if len(block_tables.shape) != 3 or block_tables.shape[0] != n:
+        raise ValueError(
+            f"block_tables must be [N={n}, B, max_pages_local], got {tuple(block_tables.shape)}"
+        )
+    return _dcp_write(kv_cache, kv_c, k_pe, positions, request_ids, block_tables, k_scale,
+                      mesh=mesh, interleave=int(interleave), dcp_axis=dcp_axis)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "interleave", "dcp_axis"))
+def _dcp_write(kv_cache, kv_c, k_pe, positions, request_ids, block_tables, k_scale, *, mesh,
+               interleave, dcp_axis):
+    n = mesh.shape[dcp_axis]
+    page_size = kv_cache.shape[1]
+
+    def body(kv_loc, bt_loc, kv_c, k_pe, pos, req, k_scale):
+        slots = dcp_slot_mapping(pos, req, bt_loc[0], page_size=page_size, world_size=n,
+                                 rank=jax.lax.axis_index(dcp_axis), interleave=interleave)
+        return write_kv_cache(kv_loc, kv_c, k_pe, slots, k_scale=k_scale)
+
+    rep = P()
+    fn = _shard_map(body, mesh=mesh,
+                    in_specs=(P(dcp_axis), P(dcp_axis), rep, rep, rep, rep,
+                              None if k_scale is None else rep),
+                    out_specs=P(dcp_axis))
+    kv_cache = _place(kv_cache, mesh, P(dcp_axis))
+    block_tables = _place(block_tables, mesh, P(dcp_axis))
+    rows = [_place(jnp.asarray(x), mesh, rep) for x in (kv_c, k_pe, positions, request_ids)]
+    return fn(kv_cache, block_tables, *rows, k_scale)
+
+
 # --------------------------------------------------------------------------------------------
 # The DCP attention entry
 # --------------------------------------------------------------------------------------------
@@ -471,7 +528,8 @@ def dcp_mla_attention(
       all-to-all is one exchange step (latency ``~1`` hop vs ``N - 1`` for a ring reduce-scatter),
       so it is the cheaper choice on all-to-all fabrics (NVLink/xGMI within a node) and for
       latency-bound decode; ``"ag_rs"`` is the safer choice across multi-hop links (ring/torus,
-      inter-node), where NCCL's ring or in-switch (NVLS) reduction is bandwidth-optimal.
+      inter-node), where NCCL's ring or in-switch (NVLS) reduction is bandwidth-optimal. (Byte
+      counts, not measurements: no multi-GPU run has been made; see docs/dcp.md.)
 
     Jittable; the compiled program gathers only ``q`` and the LSEs, never the KV cache.
     """

@@ -21,7 +21,7 @@ from jax_mla.backends.triton_launch import GPU_PLATFORMS, triton_importable
 from jax_mla.backends.triton_prefill import PrefillTritonConfig, prefill_triton
 from jax_mla.cache import FLOAT_DTYPES
 
-PREFILL_BACKENDS = ("auto", "xla", "triton")
+PREFILL_BACKENDS = ("auto", "xla", "triton", "aiter")
 _HI = jax.lax.Precision.HIGHEST
 # float32 score elements per (query chunk x heads x key chunk) tile of the XLA reference.
 _TILE_ELEMS = 1 << 24
@@ -37,6 +37,14 @@ def resolve_prefill_backend(backend: str, platform: str) -> str:
     """
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {PREFILL_BACKENDS}")
+    if backend == "aiter" or (backend == "auto" and platform == "rocm"):
+        from jax_mla.backends import resolve_backend
+
+        if backend == "aiter":
+            resolve_backend("aiter", platform)  # raises the clear "not available" error
+            return "aiter"
+        if resolve_backend("auto", platform).name == "aiter":
+            return "aiter"
     if backend == "auto":
         return "triton" if platform in GPU_PLATFORMS and triton_importable(platform) else "xla"
     if backend == "triton" and not triton_importable(platform):
@@ -138,7 +146,8 @@ def mla_prefill(
       cu_seqlens_k: ``[B + 1]`` key offsets into ``k``/``v`` (default ``cu_seqlens``, then
         ``Tk`` must equal ``T``).
       max_seqlen_k: like ``max_seqlen`` for keys (default ``max_seqlen`` or ``Tk``).
-      backend: ``"auto"`` (Triton on GPU when available, else XLA), ``"xla"``, ``"triton"``.
+      backend: ``"auto"`` (AITER on ROCm when importable, else Triton on GPU when available,
+        else XLA), ``"xla"``, ``"triton"``, ``"aiter"``.
       triton_config: tile config of the Triton kernel (default by head dims and dtype). Static.
 
     Returns:
@@ -203,6 +212,14 @@ def prefill_attention(q, k, v, cu_q, cu_k, *, scale, causal, backend, platform,
         return (jnp.zeros((t, h, dv), q.dtype), jnp.full((t, h), -jnp.inf, jnp.float32))
     cu_q = canonical_cu(cu_q, t)
     cu_k = canonical_cu(cu_k, tk)
+    if backend == "aiter":
+        from jax_mla.backends.aiter import AiterBackend
+
+        # FlashAttention varlen with LSE (the seed's common prefill; the fp8 PS path needs the
+        # KV-cache dtype and no LSE: AiterBackend.prefill(..., kv_cache_fp8=True)).
+        return AiterBackend().prefill(q, k, v, cu_q, cu_k, scale=scale, max_seqlen=max_seqlen,
+                                      max_seqlen_k=max_seqlen_k, causal=causal,
+                                      return_lse=True)
     if backend == "triton":
         # A trailing key-less sequence covers padding rows, so the kernel writes every row.
         cu_q = jnp.concatenate([cu_q, jnp.full((1,), t, jnp.int32)])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +51,29 @@ def shard_case(case, mesh, *, interleave, head_axis=None, rng=None, dtype=jnp.fl
         interleave=interleave, fill_value=np.nan)
     if rng is not None:
         kv, tables = permute_rank_pages(kv, tables, rng)
+    assert np.isnan(np.asarray(kv, np.float32)).any(), "unused cache slots must be NaN-poisoned"
     sh = jax_mla.dcp_shardings(mesh, head_axis=head_axis)
     return (jax.device_put(jnp.asarray(case.q, dtype), sh.q),
             jax.device_put(jnp.asarray(kv, dtype), sh.kv_cache),
             jax.device_put(jnp.asarray(tables), sh.block_tables),
             jax.device_put(jnp.asarray(case.seq_lens), sh.seq_lens))
+
+
+def assert_covers_the_edge_cases(case, n, interleave):
+    """The case has an empty shard, and (verify) a block whose rows straddle a shard boundary.
+
+    Guards the test data itself: a later edit of the lengths must not quietly drop either.
+    """
+    rows = np.asarray(jax_mla.dcp_verify_row_lens(case.seq_lens, case.qlen, n, None,
+                                                  interleave)).reshape(len(case.seq_lens),
+                                                                       case.qlen, n)
+    if n > 1:
+        full = rows[:, -1]  # [B, N] each request's local lengths
+        assert (full == 0).any(), "no request leaves a rank empty"
+    if n > 1 and case.qlen > 1:
+        # Rows of one block gain their newest token on different ranks.
+        grows_on = (np.diff(rows, axis=1) > 0).any(axis=1)  # [B, N]
+        assert (grows_on.sum(-1) > 1).any(), "no verify block straddles a shard boundary"
 
 
 def oracle(case):
@@ -148,43 +165,3 @@ def callback_backend():
         yield b.name
     finally:
         _backends._REGISTRY.pop(b.name, None)
-
-
-# ------------------------------------------------------------------------------------------------
-# Triton's CPU interpreter is not thread safe; a multi-device CPU mesh runs callbacks in parallel
-# ------------------------------------------------------------------------------------------------
-
-_INTERPRETER_LOCK = threading.Lock()
-
-
-class _SerializedKernel:
-    """``kernel[grid](...)`` under one process-wide lock (interpreted launches only)."""
-
-    def __init__(self, kernel):
-        self._kernel = kernel
-
-    def __getitem__(self, grid):
-        launch = self._kernel[grid]
-
-        def run(*args, **kwargs):
-            with _INTERPRETER_LOCK:
-                return launch(*args, **kwargs)
-
-        return run
-
-
-def serialize_triton_interpreter(monkeypatch):
-    """Test-only shim until ``backends/triton_launch.py`` serialises interpreted launches itself.
-
-    Two device threads interpreting kernels at once corrupt the interpreter's global patching
-    ("Did you forget to add @triton.jit?"), and a first ``import torch`` inside two callbacks
-    races ("module 'torch' has no attribute 'from_dlpack'"); either one aborts the process in
-    XLA:CPU's collective rendezvous. Import torch here, on the main thread, and lock launches.
-    """
-    import torch  # noqa: F401
-
-    from jax_mla.backends import triton_launch
-
-    orig = triton_launch._interpret_call
-    monkeypatch.setattr(triton_launch, "_interpret_call",
-                        lambda kernel, *a, **k: orig(_SerializedKernel(kernel), *a, **k))

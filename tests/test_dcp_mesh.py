@@ -17,15 +17,15 @@ import jax_mla
 
 from conftest import make_case
 from dcp_cases import (
+    assert_covers_the_edge_cases,
     callback_backend,  # noqa: F401  (a fixture, used by name)
     collectives,
     lse_rel_err,
     needs_8_devices,
     oracle,
-    serialize_triton_interpreter,
     shard_case,
 )
-from oracle import rel_err
+from oracle import logical_kv, rel_err
 
 pytestmark = needs_8_devices
 
@@ -81,6 +81,8 @@ def test_dcp_matches_single_device(rng, n, interleave):
     lens = _lens(n, interleave, 3)
     cases = {q: make_case(rng, seq_lens=lens, qlen=q, num_heads=H_TOTAL, page_size=16,
                           kv_lora_rank=L, rope_dim=R) for q in (1, 3)}
+    for c in cases.values():
+        assert_covers_the_edge_cases(c, n, interleave)
     mesh = _mesh(n)
     args = {q: shard_case(c, mesh, interleave=interleave, rng=rng) for q, c in cases.items()}
 
@@ -214,19 +216,14 @@ def test_compiled_program_never_gathers_the_kv_cache(rng, callback_backend, back
 
 
 @pytest.mark.parametrize("backend", ["dcp_test_callback", *jax_mla.available_backends("cpu")])
-def test_every_backend_as_the_local_kernel(rng, monkeypatch, callback_backend,  # noqa: F811
-                                           backend):
-    """The callback backend also pads heads and leaves NaN / +inf in empty rows."""
-    if backend == "triton":
-        serialize_triton_interpreter(monkeypatch)
+def test_every_backend_as_the_local_kernel(rng, callback_backend, backend):  # noqa: F811
+    """The callback backend also pads heads and leaves NaN / +inf in empty rows. ``triton`` runs
+    the real kernel source under Triton's interpreter, one device thread at a time."""
     case = make_case(rng, seq_lens=[1, 2, 21, 40], qlen=2, num_heads=H_TOTAL, page_size=4,
                      kv_lora_rank=L, rope_dim=R)
     for combine in jax_mla.dcp.COMBINES:
-        try:
-            out, lse = _run(case, _mesh(4, 2), interleave=2, combine=combine, head_axis="tp",
-                            backend=backend, rng=rng)
-        except NotImplementedError as e:
-            pytest.skip(f"backend {backend!r} does not serve this problem: {e}")
+        out, lse = _run(case, _mesh(4, 2), interleave=2, combine=combine, head_axis="tp",
+                        backend=backend, rng=rng)
         _check(case, out, lse, f"backend {backend} {combine}")
 
 
@@ -275,3 +272,39 @@ def test_mesh_errors(rng):
         f(q, kv, tables, lens, head_axis="model")
     with pytest.raises(ValueError, match="q width D=40 must equal the kv_cache width 48"):
         f(q[..., :40], kv, tables, lens)
+
+
+@pytest.mark.parametrize("n,interleave", [(4, 2), (8, 1)])
+def test_a_step_writes_new_tokens_on_their_owners_then_attends(rng, n, interleave):
+    """Shard the context, write the Q new tokens with the slot mapping (traced rank), attend."""
+    qlen, ps = 2, 4
+    lens = np.array([1, 5, 9, 2 * n * interleave + 1, 33], np.int32)  # global, incl. new tokens
+    case = make_case(rng, seq_lens=lens, qlen=qlen, num_heads=H_TOTAL, page_size=ps,
+                     kv_lora_rank=L, rope_dim=R)
+    mesh = _mesh(n, 8 // n)
+    before = np.maximum(lens - qlen, 0)  # the cache as the previous step left it
+    kv, tables = jax_mla.dcp_shard_cache(jnp.asarray(case.cache), case.block_table, before,
+                                         world_size=n, interleave=interleave, fill_value=np.nan,
+                                         mesh=mesh)
+    pos = (lens[:, None] - qlen + np.arange(qlen)).reshape(-1)  # negative: padding row
+    req = np.repeat(np.arange(len(lens)), qlen)
+    new = np.stack([logical_kv(case.cache, case.block_table[b], lens[b], ps)[p] if p >= 0
+                    else np.full(L + R, np.nan) for b, p in zip(req, pos)]).astype(np.float32)
+    sh = jax_mla.dcp_shardings(mesh, head_axis="tp")
+
+    @jax.jit
+    def step(q, kv, kv_c, k_pe, pos, req):
+        kv = jax_mla.dcp.dcp_write_kv_cache(kv, kv_c, k_pe, pos, req, tables, mesh=mesh,
+                                            interleave=interleave)
+        return kv, jax_mla.dcp_mla_attention(q, kv, tables, jnp.asarray(lens), mesh=mesh,
+                                             scale=case.scale, qlen=qlen, interleave=interleave,
+                                             head_axis="tp", return_lse=True, kv_lora_rank=L)
+
+    kv2, (out, lse) = step(jax.device_put(jnp.asarray(case.q), sh.q), kv, new[:, :L], new[:, L:],
+                           jnp.asarray(pos), jnp.asarray(req))
+    _check(case, out, lse, f"write + attend N={n} I={interleave}")
+    # Same cache as sharding the whole context at once (NaN-poisoned unused slots included).
+    want, _ = jax_mla.dcp_shard_cache(jnp.asarray(case.cache), case.block_table, lens,
+                                      world_size=n, interleave=interleave, fill_value=np.nan)
+    np.testing.assert_array_equal(np.asarray(kv2), np.asarray(want))
+    assert kv2.sharding.spec[:1] == sh.kv_cache.spec[:1]

@@ -87,6 +87,10 @@ def resolve_backend(name: str, platform: str) -> Backend:
         )
     b = _REGISTRY[name]
     if not b.is_available(platform):
+        reason = getattr(b, "unavailable_reason", None)
+        if reason is not None:
+            raise RuntimeError(
+                f"{reason(platform)}; available here: {available_backends(platform)}")
         raise RuntimeError(
             f"backend={name!r} is not available on platform {platform!r}; available here: "
             f"{available_backends(platform)}"

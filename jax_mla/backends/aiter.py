@@ -50,6 +50,8 @@ class AiterBackend:
     """AITER MLA decode (and, through ``prefill``, the AITER prefill paths)."""
 
     name = "aiter"
+    # mla_attention passes return_lse: AITER's kernels only produce an LSE when asked.
+    decode_takes_return_lse = True
 
     def is_available(self, platform: str) -> bool:
         from jax_mla.rocm.bridge import aiter_importable
@@ -103,8 +105,9 @@ class AiterBackend:
         """``q [T, H, 576]`` -> ``(out [T, H, 512], lse [T, H] float32)`` via the bridge.
 
         ``lse`` is the kernel's when the schedule asked for it (``route.return_lse``: DCP, or
-        ``build_aiter_decode_metadata(..., return_lse=True)``), otherwise NaN -- pass
-        ``return_lse`` once the entry point forwards it and a mismatch raises here.
+        ``build_aiter_decode_metadata(..., return_lse=True)``), otherwise NaN and unused
+        (``mla_attention`` passes ``return_lse``; asking for an LSE the metadata was not built
+        for raises).
         """
         from jax_mla.rocm import bridge
         from jax_mla.rocm.metadata import AiterDecodeSchedule, plan_schedule

@@ -17,10 +17,16 @@ import functools
 import importlib.util
 import os
 import sys
+import threading
 
 from jax_mla.config import poison_outputs
 
 GPU_PLATFORMS = ("cuda", "rocm")
+
+# Triton's interpreter patches module globals while it runs a kernel, and a first ``import torch``
+# is not thread safe either: on a multi-device CPU mesh (DCP tests) XLA runs one callback per
+# device thread at once, and either race aborts the process. Interpreted launches take turns.
+_INTERPRET_LOCK = threading.Lock()
 
 
 def interpreter_enabled() -> bool:
@@ -66,6 +72,7 @@ def _is_array(a) -> bool:
 
 
 def _interpret_call(kernel, args, grid, out_shapes, aliases, constexprs):
+    import torch  # noqa: F401  (here, at trace time on one thread; not first inside a callback)
     from jax.experimental import buffer_callback
 
     arrays = [a for a in args if _is_array(a)]
@@ -73,6 +80,10 @@ def _interpret_call(kernel, args, grid, out_shapes, aliases, constexprs):
     aliased_outputs = set(aliases.values())
 
     def callback(ctx, outs, *ins):
+        with _INTERPRET_LOCK:
+            _launch(outs, ins)
+
+    def _launch(outs, ins):
         it = iter(_to_torch(b) for b in ins)
         call_args = [scalars[i] if i in scalars else next(it) for i in range(len(args))]
         out_t = [_to_torch(o) for o in outs]

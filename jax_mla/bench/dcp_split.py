@@ -15,12 +15,20 @@ What one DCP rank computes in a step, timed on a single GPU with no collectives:
 Communication is not timed (it needs several GPUs); each row reports the bytes a device would
 send per step in each combine instead, so the step time on a real mesh is this compute plus the
 collectives at the fabric's bandwidth.
+
+Run: ``python -m jax_mla.bench.dcp_split --out DIR`` (the grid of :func:`target_shapes`:
+B 32/128, H 16 per device, S 32k/128k, N 2/4/8; about a minute on one H200) or ``--quick``
+(tiny shapes, seconds on a CPU). Writes ``DIR/dcp_split.json`` and ``.csv``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
+import json
 import math
+import sys
 from collections.abc import Callable, Iterable
 
 import jax
@@ -163,3 +171,74 @@ def bench_dcp_split(timer: Callable[..., float], *, backend: str = "auto",
                 "note": "one device: rank 0's compute only; collectives not timed",
             })
     return rows
+
+
+def target_shapes(quick: bool = False) -> list[SplitShape]:
+    """The issue's grid (B 32-128, H 16, total context 32k-128k, decode) or a CPU smoke grid."""
+    if quick:
+        return [SplitShape(batch=2, heads=2, seq=200, page=16, dtype="float32", kv_lora_rank=64,
+                           rope_dim=16),
+                SplitShape(batch=2, heads=2, seq=64, qlen=2, page=16, interleave=2,
+                           dtype="float32", kv_lora_rank=64, rope_dim=16)]
+    return [SplitShape(batch=b, heads=16, seq=s) for b in (32, 128) for s in (32768, 131072)]
+
+
+def _timer(fn, *args, min_ms: float, max_n: int, reps: int) -> float:
+    """``device_time``, except that a call already longer than ``min_ms`` is timed as is.
+
+    Dispatch overhead (tens of microseconds) is noise next to such a call, and skipping the
+    chained program saves one compile per shape (most of this bench's wall time).
+    """
+    import statistics
+    import time
+
+    from jax_mla.bench.timing import device_time
+
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+
+    def wall():
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        return time.perf_counter() - t0
+
+    if min(wall() for _ in range(2)) * 1e3 < min_ms:
+        return device_time(fn, *args, min_ms=min_ms, reps=reps, max_n=max_n)
+    return statistics.median(wall() for _ in range(reps))
+
+
+COLUMNS = ["shape", "world_size", "local_seq_len", "gathered_heads", "local_attn_s",
+           "merge_ag_rs_s", "merge_a2a_s", "merge_share_ag_rs", "merge_share_a2a", "ag_rs_bytes",
+           "a2a_bytes"]
+
+
+def main(argv=None) -> int:
+    from jax_mla.bench.__main__ import environment, print_table, write
+
+    p = argparse.ArgumentParser(prog="python -m jax_mla.bench.dcp_split",
+                                description="One DCP rank's compute on one device (simulated "
+                                            "split): local attention at S/N plus the merge.")
+    p.add_argument("--out", default="benchmarks/results/latest")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--backend", default="auto", help="the local kernel (default: auto)")
+    p.add_argument("--world-sizes", default="2,4,8", help="DCP sizes N (comma list)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    env = environment()
+    print(json.dumps(env))
+    # Merges take microseconds: cap the chained repeats so compile time stays small.
+    timer = functools.partial(_timer, min_ms=0.5 if args.quick else 2.0,
+                              max_n=4 if args.quick else 32, reps=3 if args.quick else 5)
+    rows = bench_dcp_split(timer, backend=args.backend, shapes=target_shapes(args.quick),
+                           world_sizes=tuple(int(n) for n in args.world_sizes.split(",")),
+                           seed=args.seed)
+    print_table(rows, COLUMNS)
+    env["note"] = ("simulated DCP on one device: rank 0's local attention and merge arithmetic; "
+                   "no collective was run or timed (multi-GPU runs: not made)")
+    write(rows, env, args.out, "dcp_split")
+    print(f"wrote {args.out}/dcp_split.json and .csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

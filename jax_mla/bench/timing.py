@@ -8,9 +8,12 @@ neither prove it nor hoist, merge, reorder or overlap the calls). Wall time / ``
 GPU time of one call with the single dispatch amortised; ``n`` grows until the program runs for
 about ``min_ms``. The median of ``reps`` runs is reported.
 
-(An earlier version chained the calls only through ``lax.optimization_barrier`` with the outputs
-discarded; on the H200 XLA then skipped or overlapped calls and reported 11.7 TB/s of "copy"
-bandwidth, 2.7x the HBM's. :func:`ceilings` now refuses figures above the datasheet.)
+(What went wrong before, on the H200: chaining the calls only through an optimization barrier
+whose outputs were discarded let XLA drop or overlap calls, and a Triton decode "read" 9.9 TB/s;
+and the copy probe multiplied by ``bfloat16(1.0001)``, which is exactly 1.0, so XLA deleted the
+work and reported 9-12 TB/s. Now each call is fed a real dependency, each output passes an
+optimization barrier so consecutive elementwise calls cannot fuse into one pass, the probe
+multiplies by 1.25, and :func:`ceilings` flags figures above any datasheet.)
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ def _feed(args, out):
 
 def _chained(fn, n):
     def many(*args):
-        out = fn(*args)
+        # The barrier materialises each call's output: XLA cannot fuse consecutive calls
+        # (a chain of elementwise ops would otherwise become one pass over memory).
+        out = jax.lax.optimization_barrier(fn(*args))
         for _ in range(n - 1):
             args = _feed(args, out)
-            out = fn(*args)
+            out = jax.lax.optimization_barrier(fn(*args))
         return out
 
     return jax.jit(many)
@@ -107,15 +112,18 @@ def ceilings() -> dict:
     """Copy bandwidth (bytes read + written) and bf16 matmul rate measured here, now."""
     n = 1 << 29  # 1 GiB of bf16
     x = jax.random.normal(jax.random.key(2), (n,), jnp.bfloat16)
-    t = device_time(lambda a: a * jnp.bfloat16(1.0001), x)
+    # 1.25 is exact in bf16 (1.0001 rounds to 1.0, and XLA then drops the multiply entirely).
+    t = device_time(lambda a: a * jnp.bfloat16(1.25), x)
     copy = 2 * n * 2 / t
     m = 8192
     a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     t = device_time(lambda p, q: (p @ q) * jnp.bfloat16(m**-0.5), a, b)
     matmul = 2 * m**3 / t
-    if jax.default_backend() != "cpu" and (copy > _MAX_PLAUSIBLE_COPY
-                                           or matmul > _MAX_PLAUSIBLE_MATMUL):
-        raise RuntimeError(f"implausible ceilings (copy {copy:.3g} B/s, matmul {matmul:.3g} "
-                           f"FLOP/s): the timing chain is broken")
-    return {"copy_bytes_per_s": copy, "bf16_matmul_flops": matmul}
+    plausible = copy <= _MAX_PLAUSIBLE_COPY and matmul <= _MAX_PLAUSIBLE_MATMUL
+    if not plausible:
+        import warnings
+
+        warnings.warn(f"implausible ceilings (copy {copy:.3g} B/s, matmul {matmul:.3g} FLOP/s): "
+                      f"the timing chain is broken", stacklevel=2)
+    return {"copy_bytes_per_s": copy, "bf16_matmul_flops": matmul, "plausible": plausible}

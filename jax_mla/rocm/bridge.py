@@ -17,7 +17,7 @@ The traps (JAX_INTEROP.md) and how they are handled:
   ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. 0.5) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``.
 - Not command-buffer compatible: AITER allocates per call (and the PS prefill planner is a host
   algorithm). Each call costs a Python round trip on the host (measured in
-  ``jax_mla.bench.aiter_bridge``); a native XLA FFI path is the later fix (AITER_NATIVE_FFI.md).
+  ``benchmarks/gpu_aiter_bridge.py``); a native XLA FFI path is the later fix.
 
 Head padding and unpadding happen in jnp around each call with the seed's maps
 (``jax_mla.heads``); the callbacks see exactly the tensors the seed hands AITER.

@@ -458,7 +458,7 @@ def decide_route(*, arch: str, num_heads: int, qlen: int, q_dtype, kv_dtype,
     Args:
       num_heads: ``n_dec`` = per-rank heads times ``dcp_world_size`` (the gathered query heads).
       qlen: uniform query length (after uniform-MTP padding).
-      mtp_decode_qlen: ``K`` (default ``qlen``).
+      mtp_decode_qlen: ``K`` (default ``qlen``); a step with ``qlen > K`` runs non-persistent.
       return_lse: ask the kernel for the LSE (default: ``dcp_world_size > 1``, as the seed).
         Gluon returns one when asked (the post-seed revision's fix: the seed hands a DCP combine
         ``None`` there).
@@ -469,9 +469,10 @@ def decide_route(*, arch: str, num_heads: int, qlen: int, q_dtype, kv_dtype,
     qlen, dcp = int(qlen), int(dcp_world_size)
     if qlen < 1 or dcp < 1:
         raise ValueError(f"qlen={qlen} and dcp_world_size={dcp} must be >= 1")
+    # K < qlen is legal: the seed's gate then refuses the persistent plan (sized for K).
     k = qlen if mtp_decode_qlen is None else int(mtp_decode_qlen)
-    if k < qlen:
-        raise ValueError(f"mtp_decode_qlen={k} is below this step's qlen={qlen}")
+    if k < 1:
+        raise ValueError(f"mtp_decode_qlen={k} must be >= 1")
     lse = dcp > 1 if return_lse is None else bool(return_lse)
     q, kv = dtype_name(q_dtype), dtype_name(kv_dtype)
     cu = info.num_cu if num_cu is None else int(num_cu)

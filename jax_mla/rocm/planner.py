@@ -12,11 +12,12 @@ Three pieces, all pure and jittable:
   closed-form step per item (how many fragments, where they land), and every work, reduce and
   partial entry is then written in one vectorised pass. The two AITER variants differ only for an
   empty batch that meets a full CU (the prefix scan drops it); ``variant`` reproduces either.
-- :func:`execute_plan_reference` -- runs every work of a plan with exact float32 math (partial
-  ``out`` + ``lse`` for split works, final rows for unsplit ones) and reduces with
-  ``reduce_indptr / reduce_final_map / reduce_partial_map`` through ``jax_mla.merge``: the second
-  consumer of the plan format (the Triton reduce is the third), tested against the float64
-  oracle.
+- :func:`execute_plan_reference` -- runs every work of a plan with exact float32 math
+  (:func:`execute_plan_works`: partial ``out`` + ``lse`` for split works, final rows for unsplit
+  ones) and reduces with ``reduce_indptr / reduce_final_map / reduce_partial_map``
+  (:func:`reduce_plan_reference`, through ``jax_mla.merge``): the second consumer of the plan
+  format, tested against the float64 oracle. The third is jax_mla's Triton reduce kernel
+  (``jax_mla.backends.triton.reduce_partials``), driven by the same plan in the tests.
 
 The plan is AITER's, bit for bit where AITER writes something; entries AITER leaves unwritten are
 ``-1`` here (AITER's buffers hold stale values there).
@@ -90,7 +91,8 @@ def mla_metadata_sizes(batch_size: int, max_seqlen_qo: int, num_head_qo: int, q_
     reduce_indptr 257, final_map [256, 2], partial_map 510.
     """
     if num_head_qo % 8 != 0:
-        raise ValueError(f"get_mla_metadata_info_v1 asserts num_head_qo % 8 == 0, got {num_head_qo}")
+        raise ValueError(
+            f"get_mla_metadata_info_v1 asserts num_head_qo % 8 == 0, got {num_head_qo}")
     gfx = caps.arch_info(arch).name
     max_splits = caps.arch_info(arch).num_cu if num_cu is None else int(num_cu)
     q8 = caps.dtype_name(q_dtype) == "fp8"
@@ -448,9 +450,9 @@ def unfold_rows(x: jax.Array, qlen: int, ratio: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank"))
-def execute_plan_reference(q, kv_cache, metadata, plan: MlaWorkPlan, *, scale: float,
-                           kv_lora_rank: int = 512, q_scale=None, kv_scale=None):
-    """Run every work of ``plan`` in exact float32, then reduce split tiles: AITER's semantics.
+def execute_plan_works(q, kv_cache, metadata, plan: MlaWorkPlan, *, scale: float,
+                       kv_lora_rank: int = 512, q_scale=None, kv_scale=None):
+    """Stage 1 of AITER's persistent decode, exact in float32: run every work of ``plan``.
 
     Args:
       q: ``[T, Hp, D]`` query at the padded head count ``plan.num_heads``, rows ``b * qlen + t``.
@@ -458,10 +460,12 @@ def execute_plan_reference(q, kv_cache, metadata, plan: MlaWorkPlan, *, scale: f
       metadata: :class:`jax_mla.DecodeMetadata` the plan was built from (its
         ``paged_kv_indptr``/``paged_kv_indices`` are what the works index).
       plan: :class:`MlaWorkPlan`.
-    Returns:
-      ``out [T, Hp, L] float32`` and ``lse [T, Hp] float32`` (natural log). Rows no work
-      covers, or that see no KV, give 0 and ``-inf``. Memory grows with ``max_work *
-      max_seq_len``: a reference for tests, not a kernel.
+    Returns, in the *folded* row order (``T * fold_ratio`` rows of ``kernel_heads`` heads):
+      ``final [T*F, Hk, L]`` / ``final_lse [T*F, Hk]`` written by unsplit works (0 / ``-inf``
+      elsewhere) and ``partial [scratch_rows, Hk, L]`` / ``partial_lse [scratch_rows, Hk]``
+      (normalised partial outputs and natural-log LSEs at ``partial_qo_loc`` rows; 0 / ``-inf``
+      where no work wrote). Memory grows with ``max_work * max_seq_len``: a reference for
+      tests, not a kernel.
     """
     md = metadata
     qlen, ratio, ts, hk = plan.qlen, plan.fold_ratio, plan.tile_size, plan.kernel_heads
@@ -513,8 +517,17 @@ def execute_plan_reference(q, kv_cache, metadata, plan: MlaWorkPlan, *, scale: f
         out_w, mode="drop")
     part_lse = jnp.full((plan.scratch_rows, hk), -jnp.inf, jnp.float32).at[
         prows.reshape(-1)].set(lse_w, mode="drop")
+    return final, final_lse, part, part_lse
 
-    # Reduce: tile i with >= 2 partials merges scratch rows reduce_partial_map[k] + r.
+
+@jax.jit
+def reduce_plan_reference(final, final_lse, partial, partial_lse, plan: MlaWorkPlan):
+    """Stage 2 (``mla_reduce_v1`` semantics) in jnp: tile ``i`` with >= 2 partials merges rows
+    ``reduce_partial_map[k] + r`` into final rows ``reduce_final_map[i][0] + r``; other tiles
+    keep what their single work wrote. Folded row order in and out (see
+    :func:`execute_plan_works`)."""
+    rows_f, hk, lr = final.shape
+    ts = plan.tile_size
     max_frag = min(plan.num_cu, plan.partial_capacity) + 1
     tiles = jnp.arange(plan.tile_cnt, dtype=jnp.int32)
     lo, hi = plan.reduce_indptr[:-1], plan.reduce_indptr[1:]
@@ -523,13 +536,27 @@ def execute_plan_reference(q, kv_cache, metadata, plan: MlaWorkPlan, *, scale: f
     starts = plan.reduce_partial_map[jnp.clip(kk, 0, plan.partial_capacity - 1)]
     r = jnp.arange(ts, dtype=jnp.int32)
     src = jnp.clip(starts[..., None] + r, 0, plan.scratch_rows - 1)  # [tiles, frag, ts]
-    lses = jnp.where(frag_ok[..., None, None], part_lse[src], -jnp.inf)  # [tiles, frag, ts, Hk]
+    lses = jnp.where(frag_ok[..., None, None], partial_lse[src], -jnp.inf)
     w, lse_m = merge_lse_weights(lses, axis=1)
-    out_m = weighted_sum(w, part[src], axis=1)  # [tiles, ts, Hk, L]
+    out_m = weighted_sum(w, partial[src], axis=1)  # [tiles, ts, Hk, L]
     fm = plan.reduce_final_map
     dst = fm[:, 0:1] + r[None, :]
     do = ((hi - lo) >= 2)[:, None] & (dst < fm[:, 1:2]) & (tiles < plan.tile_cnt)[:, None]
     dst = jnp.where(do, dst, rows_f)
     final = final.at[dst.reshape(-1)].set(out_m.reshape(-1, hk, lr), mode="drop")
     final_lse = final_lse.at[dst.reshape(-1)].set(lse_m.reshape(-1, hk), mode="drop")
-    return unfold_rows(final, qlen, ratio), unfold_rows(final_lse, qlen, ratio)
+    return final, final_lse
+
+
+def execute_plan_reference(q, kv_cache, metadata, plan: MlaWorkPlan, *, scale: float,
+                           kv_lora_rank: int = 512, q_scale=None, kv_scale=None):
+    """Run ``plan`` exactly (:func:`execute_plan_works` then :func:`reduce_plan_reference`).
+
+    Returns ``out [T, Hp, L] float32`` and ``lse [T, Hp] float32`` (natural log), unfolded.
+    Rows no work covers, or that see no KV, give 0 and ``-inf``.
+    """
+    parts = execute_plan_works(q, kv_cache, metadata, plan, scale=scale,
+                               kv_lora_rank=kv_lora_rank, q_scale=q_scale, kv_scale=kv_scale)
+    final, final_lse = reduce_plan_reference(*parts, plan)
+    return (unfold_rows(final, plan.qlen, plan.fold_ratio),
+            unfold_rows(final_lse, plan.qlen, plan.fold_ratio))

@@ -1,7 +1,8 @@
 """A faithful stand-in for ROCm/aiter's Python API (jax_mla tests only; see ``_standin``)."""
 
-from . import dtypes as dtypes
 from . import _standin
+from . import dtypes as dtypes
+from . import mla as mla
 from ._standin import CALLS, calls, configure, get_cu_num, get_gfx, reset_calls
 from .ops.attention import (
     get_mla_metadata_info_v1,
@@ -12,7 +13,6 @@ from .ops.attention import (
     mla_reduce_v1,
 )
 from .ops.mha import flash_attn_varlen_func
-from . import mla as mla
 
 __version__ = "0.0.0+jax_mla.standin"
 STANDIN = True

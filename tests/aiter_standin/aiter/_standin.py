@@ -83,6 +83,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     q ``[R, H, Dk]``, k ``[N, Dk]``, v ``[N, Dv]`` (one shared KV head), visible ``[R, N]``.
     Returns ``out [R, H, Dv]`` (0 for empty rows) and ``lse [R, H]`` (natural; -inf if empty).
     """
+    if k.shape[0] == 0:  # an empty sequence: nothing to attend
+        r, h = q.shape[:2]
+        return (torch.zeros((r, h, v.shape[-1]), dtype=torch.float32, device=q.device),
+                torch.full((r, h), -math.inf, dtype=torch.float32, device=q.device))
     s = torch.einsum("rhd,nd->rhn", q, k) * scale
     s = torch.where(visible[:, None, :], s, torch.full_like(s, -math.inf))
     m = s.amax(-1)
@@ -100,3 +104,41 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
 
 def ints(t) -> list[int]:
     return [int(x) for x in t.reshape(-1).tolist()]
+
+
+def expect(t, name: str, dtypes=None, ndim: int | None = None, shape=None,
+           contiguous: bool = False, device=None) -> None:
+    """Argument checks in the spirit of AITER's ``TORCH_CHECK``s (raise ``RuntimeError``).
+
+    ``shape`` entries may be ``None`` (any size).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise RuntimeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dts = dtypes if isinstance(dtypes, (tuple, list, set)) else (dtypes,)
+        if t.dtype not in dts:
+            raise RuntimeError(f"{name} has dtype {t.dtype}, expected one of {tuple(dts)}")
+    if ndim is not None and t.dim() != ndim:
+        raise RuntimeError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(w is not None and int(g) != int(w)
+                                        for g, w in zip(t.shape, shape)):
+            raise RuntimeError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if contiguous and not t.is_contiguous():
+        raise RuntimeError(f"{name} must be contiguous")
+    if device is not None and t.device != device:
+        raise RuntimeError(f"{name} is on {t.device}, expected {device}")
+
+
+def expect_int(x, name: str) -> None:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise RuntimeError(f"{name} must be a Python int, got {type(x).__name__}")
+
+
+def expect_scale(x, name: str, device=None) -> None:
+    """A per-tensor fp32 scale: a 1-element float32 tensor (AITER reads it on the device)."""
+    if x is None:
+        return
+    expect(x, name, torch.float32, device=device)
+    if x.numel() != 1:
+        raise RuntimeError(f"{name} must hold one element, got shape {tuple(x.shape)}")

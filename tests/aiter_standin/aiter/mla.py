@@ -9,8 +9,19 @@ import os
 import torch
 
 from . import dtypes
-from ._standin import (attend, dequant, fill_unwritten, get_gfx, ints, is_fp8, record,
-                       scalar)
+from ._standin import (
+    attend,
+    dequant,
+    expect,
+    expect_int,
+    expect_scale,
+    fill_unwritten,
+    get_gfx,
+    ints,
+    is_fp8,
+    record,
+    scalar,
+)
 from .ops.attention import get_mla_decode_fwd_max_splits, mla_reduce_v1
 
 _PERSISTENT_MAX_BATCH_DEFAULT = 32
@@ -46,6 +57,46 @@ def _visible(rows_local, qlen, kv_pos, kv_len, causal):
     return kv_pos[None, :] <= (kv_len - qlen + rows_local)[:, None]
 
 
+def _check_decode_args(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
+                       max_seqlen_q, q_scale, kv_scale, work_meta_data, work_indptr,
+                       work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map,
+                       return_lse):
+    """What AITER's host code checks (asm_mla.cu / aiter/mla.py), as RuntimeErrors."""
+    dev = q.device
+    qkv_dtypes = (dtypes.bf16, dtypes.fp8)  # the asm kernels: bf16 or the arch's fp8
+    expect(q, "q", qkv_dtypes, ndim=3, contiguous=True)
+    total_q, hq, d = q.shape
+    expect(kv_buffer, "kv_buffer", qkv_dtypes, shape=(None, 1, 1, d), device=dev)
+    expect(o, "o", dtypes.bf16, shape=(total_q, hq, 512), contiguous=True, device=dev)
+    if d != 576:
+        raise RuntimeError(f"MLA asm decode needs a 576-wide q/kv, got {d}")
+    if hq % 8:
+        raise RuntimeError(f"num_heads {hq} is not a multiple of 8")
+    expect(qo_indptr, "qo_indptr", dtypes.i32, ndim=1, device=dev)
+    b = qo_indptr.shape[0] - 1
+    expect(kv_indptr, "kv_indptr", dtypes.i32, shape=(b + 1,), device=dev)
+    expect(kv_indices, "kv_indices", dtypes.i32, ndim=1, device=dev)
+    expect(kv_last_page_lens, "kv_last_page_lens", dtypes.i32, shape=(b,), device=dev)
+    expect_int(max_seqlen_q, "max_seqlen_q")
+    if is_fp8(q) and q_scale is None:
+        raise RuntimeError("fp8 q needs q_scale")
+    expect_scale(q_scale, "q_scale", dev)
+    expect_scale(kv_scale, "kv_scale", dev)
+    if work_meta_data is not None:
+        expect(work_meta_data, "work_meta_data", dtypes.u64, shape=(2,), device=dev)
+        expect(work_indptr, "work_indptr", dtypes.i32, ndim=1, device=dev)
+        expect(work_info_set, "work_info_set", dtypes.i32, shape=(None, 8), device=dev)
+        expect(reduce_indptr, "reduce_indptr", dtypes.i32, ndim=1, device=dev)
+        expect(reduce_final_map, "reduce_final_map", dtypes.i32, shape=(None, 2), device=dev)
+        expect(reduce_partial_map, "reduce_partial_map", dtypes.i32, ndim=1, device=dev)
+        # Kernel availability the host dispatch would not find (MLA_SPEC.md §5.2, gfx942).
+        if get_gfx() == "gfx942" and not is_fp8(q):
+            if max_seqlen_q > 4:
+                raise RuntimeError("cannot get heuristic kernel: gfx942 bf16 persistent qlen > 4")
+            if return_lse:
+                raise RuntimeError("cannot get heuristic kernel: gfx942 bf16 persistent lse")
+
+
 def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
                    max_seqlen_q, page_size=1, nhead_kv=1, sm_scale=None, logit_cap=0.0,
                    num_kv_splits=None, num_kv_splits_indptr=None, work_meta_data=None,
@@ -56,6 +107,10 @@ def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_pa
     """Returns ``(logits, final_lse)``; ``final_lse [total_q, Hq]`` is allocated here."""
     assert logit_cap <= 0, f"{logit_cap=} is not support yet"
     assert page_size == 1 and nhead_kv == 1 and cp_world_size == 1, "stand-in: vLLM's use only"
+    _check_decode_args(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
+                       max_seqlen_q, q_scale, kv_scale, work_meta_data, work_indptr,
+                       work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map,
+                       return_lse)
     total_kv_d = kv_buffer.shape[-1]
     if sm_scale is None:
         sm_scale = 1.0 / total_kv_d ** 0.5

@@ -8,7 +8,19 @@ import numpy as np
 import torch
 
 from .. import _metadata_ref, dtypes
-from .._standin import attend, dequant, get_cu_num, get_gfx, ints, is_fp8, record, scalar
+from .._standin import (
+    attend,
+    dequant,
+    expect,
+    expect_int,
+    expect_scale,
+    get_cu_num,
+    get_gfx,
+    ints,
+    is_fp8,
+    record,
+    scalar,
+)
 
 
 def get_mla_decode_fwd_max_splits(num_head_qo, max_seqlen_qo, q_dtype, kv_dtype):
@@ -95,6 +107,19 @@ def mla_reduce_v1(partial_output, partial_lse, reduce_indptr, reduce_final_map,
     record("mla_reduce_v1", max_seqlen_q=max_seqlen_q, num_kv_splits=num_kv_splits,
            partial_rows=partial_output.shape[0], final_shape=tuple(final_output.shape),
            has_final_lse=final_lse is not None)
+    dev = final_output.device
+    expect(partial_output, "partial_output", dtypes.fp32, device=dev)
+    expect(partial_lse, "partial_lse", dtypes.fp32, device=dev)
+    for name, t in (("reduce_indptr", reduce_indptr), ("reduce_partial_map", reduce_partial_map)):
+        expect(t, name, dtypes.i32, ndim=1, device=dev)
+    if reduce_final_map is not None:
+        expect(reduce_final_map, "reduce_final_map", dtypes.i32, shape=(None, 2), device=dev)
+    expect(final_output, "final_output", (dtypes.bf16, dtypes.fp16), ndim=3)
+    if final_lse is not None:
+        expect(final_lse, "final_lse", dtypes.fp32, shape=tuple(final_output.shape[:2]),
+               device=dev)
+    expect_int(max_seqlen_q, "max_seqlen_q")
+    expect_int(num_kv_splits, "num_kv_splits")
     rows = partial_output.shape[0]
     dv = final_output.shape[-1]
     heads = final_output.shape[-2]
@@ -201,6 +226,15 @@ def get_ps_metadata_v1(seqlens_qo_indptr, pages_kv_indptr, context_lens, gqa_rat
     record("get_ps_metadata_v1", gqa_ratio=gqa_ratio, num_heads_k=num_heads_k,
            qhead_granularity=qhead_granularity, qlen_granularity=qlen_granularity,
            kvlen_granularity=kvlen_granularity, block_size=block_size, is_causal=is_causal)
+    for name, t in (("seqlens_qo_indptr", seqlens_qo_indptr), ("pages_kv_indptr", pages_kv_indptr),
+                    ("context_lens", context_lens)):
+        # A host algorithm: vLLM hands it CPU copies (qsl_cpu).
+        expect(t, name, dtypes.i32, ndim=1, device=torch.device("cpu"))
+    for name, t in (("work_indptr", work_indptr), ("reduce_indptr", reduce_indptr),
+                    ("reduce_partial_map", reduce_partial_map)):
+        expect(t, name, dtypes.i32, ndim=1)
+    expect(work_info, "work_info", dtypes.i32, shape=(None, 8))
+    expect(reduce_final_map, "reduce_final_map", dtypes.i32, shape=(None, 2))
     qo, kvp, ctx = ints(seqlens_qo_indptr), ints(pages_kv_indptr), ints(context_lens)
     tgs_total = get_cu_num()
     clusters = math.gcd(num_heads_k, tgs_total)
@@ -241,6 +275,24 @@ def mla_prefill_ps_asm_fwd(Q, K, V, qo_indptr, kv_indptr, kv_page_indices, work_
            scales=(scalar(q_scale), scalar(k_scale), scalar(v_scale)),
            split_rows=splitData.shape[0])
     assert is_fp8(Q) and is_fp8(K) and is_fp8(V), "the PS asm prefill takes fp8 q, k, v"
+    dev = Q.device
+    expect(Q, "Q", dtypes.fp8, shape=(None, None, 192))  # the arch's fp8 (fnuz on gfx942)
+    expect(K, "K", dtypes.fp8, shape=(None, None, 192), device=dev)
+    expect(V, "V", dtypes.fp8, shape=(K.shape[0], K.shape[1], 128), device=dev)
+    expect(output, "output", (dtypes.bf16, dtypes.fp16), shape=(Q.shape[0], Q.shape[1], 128),
+           device=dev)
+    expect(splitData, "splitData", dtypes.fp32, shape=(None, Q.shape[1], 128), device=dev)
+    expect(splitLse, "splitLse", dtypes.fp32, shape=(splitData.shape[0], Q.shape[1]),
+           device=dev)
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                    ("kv_page_indices", kv_page_indices), ("work_indptr", work_indptr)):
+        expect(t, name, dtypes.i32, ndim=1, device=dev)
+    expect(work_info_set, "work_info_set", dtypes.i32, shape=(None, 8), device=dev)
+    expect_int(max_seqlen_q, "max_seqlen_q")
+    for name, x in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        expect_scale(x, name, dev)
+    if Q.shape[1] % 16:
+        raise RuntimeError(f"PS prefill needs 16-aligned heads, got {Q.shape[1]}")
     qf, kf, vf = dequant(Q, q_scale), dequant(K, k_scale), dequant(V, v_scale)
     qo, kvp, kvi = ints(qo_indptr), ints(kv_indptr), ints(kv_page_indices)
     wp, wi = ints(work_indptr), ints(work_info_set)

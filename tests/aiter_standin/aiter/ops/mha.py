@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from .._standin import attend, ints, record
+from .. import dtypes
+from .._standin import attend, expect, expect_int, ints, record
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -24,6 +25,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
            v_shape=tuple(v.shape), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
            softmax_scale=softmax_scale, causal=causal, return_lse=return_lse)
     assert dropout_p == 0.0 and bias is None and alibi_slopes is None and block_table is None
+    dev = q.device
+    expect(q, "q", (dtypes.bf16, dtypes.fp16), ndim=3)
+    expect(k, "k", q.dtype, shape=(None, None, q.shape[-1]), device=dev)
+    expect(v, "v", q.dtype, shape=(k.shape[0], k.shape[1], None), device=dev)
+    if q.shape[1] % k.shape[1]:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+    expect(cu_seqlens_q, "cu_seqlens_q", dtypes.i32, ndim=1, device=dev)
+    expect(cu_seqlens_k, "cu_seqlens_k", dtypes.i32, shape=tuple(cu_seqlens_q.shape), device=dev)
+    expect_int(max_seqlen_q, "max_seqlen_q")
+    expect_int(max_seqlen_k, "max_seqlen_k")
     tq, h, dqk = q.shape
     hk = k.shape[1]
     scale = softmax_scale if softmax_scale is not None else dqk ** -0.5

@@ -6,7 +6,17 @@ import math
 
 import torch
 
-from ...._standin import dequant, fill_unwritten, get_cu_num, ints, record, scalar
+from .... import dtypes
+from ...._standin import (
+    expect,
+    expect_int,
+    expect_scale,
+    fill_unwritten,
+    get_cu_num,
+    ints,
+    record,
+    scalar,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -30,7 +40,21 @@ def mla_decode_fwd(q, kv_buffer, out, cu_seqlens_q, seqused_k, max_seqlen_kv, bl
     """Returns ``(segm_output, segm_max, segm_expsum)`` with ``skip_reduce`` (base-2 stats)."""
     assert causal, "Only causal attention is supported"
     assert not shuffled_kv_cache and q_scales is None
+    dev = q.device
+    expect(q, "q", (dtypes.bf16, dtypes.fp16), ndim=3)  # vLLM dequantises an fp8 q first
     total, hq, d = q.shape
+    expect(kv_buffer, "kv_buffer", (dtypes.bf16, dtypes.fp8), shape=(None, None, 1, d),
+           device=dev)
+    if out is not None:
+        expect(out, "out", q.dtype, shape=(total, hq, kv_lora_rank), device=dev)
+    expect(cu_seqlens_q, "cu_seqlens_q", dtypes.i32, ndim=1, device=dev)
+    expect(seqused_k, "seqused_k", dtypes.i32, shape=(cu_seqlens_q.shape[0] - 1,), device=dev)
+    expect(block_tables, "block_tables", dtypes.i32, shape=(seqused_k.shape[0], None),
+           device=dev)
+    expect_int(max_seqlen_kv, "max_seqlen_kv")
+    expect_scale(kv_descale, "kv_descale", dev)
+    if not isinstance(softmax_scale, float):
+        raise RuntimeError("softmax_scale is a Python float")
     num_blocks, block_size, hk, _ = kv_buffer.shape
     num_seqs = len(seqused_k)
     tps = total // num_seqs

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ...._standin import attend, get_gfx, ints, is_fp8, record
+from .... import dtypes
+from ...._standin import attend, expect, expect_int, get_gfx, ints, is_fp8, record
 
 
 def mla_gluon(q_nope, q_pe, kv_c, o, page_table, seq_info, sm_scale, k_pe=None,
@@ -20,6 +21,18 @@ def mla_gluon(q_nope, q_pe, kv_c, o, page_table, seq_info, sm_scale, k_pe=None,
     assert not use_2d_view, "stand-in covers vLLM's flat (use_2d_view=False) form"
     assert k_pe is None and has_pe and attn_sink is None
     assert isinstance(min_kv_seq_len, int)
+    dev = q_nope.device
+    expect(q_nope, "q_nope", dtypes.bf16)
+    expect(q_pe, "q_pe", dtypes.bf16, shape=tuple(q_nope.shape[:-1]) + (64,), device=dev)
+    if q_nope.shape[-1] != 512 or kv_pe_offset != 512:
+        raise RuntimeError("mla_gluon: L = 512 and R = 64 are fixed")
+    expect(kv_c, "kv_c", (dtypes.bf16, dtypes.fp8), shape=(None, 576), device=dev)
+    expect(o, "o", dtypes.bf16, shape=tuple(q_nope.shape), device=dev)
+    expect(page_table, "page_table", dtypes.i32, ndim=1, device=dev)
+    expect(seq_info, "seq_info", dtypes.i32, shape=(q_nope.shape[0] + 1,), device=dev)
+    expect_int(min_kv_seq_len, "min_kv_seq_len")
+    if not isinstance(sm_scale, float) or not isinstance(kv_scale, float):
+        raise RuntimeError("sm_scale and kv_scale are Python floats")
     mtp = q_nope.dim() == 4
     b = q_nope.shape[0]
     qlen = q_nope.shape[1] if mtp else 1

@@ -1,0 +1,47 @@
+"""The benchmark timer really runs every call it divides by (two bugs seen on the H200)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mla.bench import timing
+
+
+def _compiled(fn, n, *args):
+    return timing._chained(fn, n).lower(*args).compile().as_text()
+
+
+def test_chain_keeps_every_call_when_outputs_differ_from_inputs():
+    # Output shape != first input: the chain bumps one input element with a data dependency.
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((8, 4, 16)), jnp.float32)
+    c = jnp.asarray(np.random.default_rng(1).standard_normal((32, 16)), jnp.float32)
+    text = _compiled(lambda q, c: q.reshape(-1, 16) @ c.T, 5, q, c)
+    assert text.count(" dot(") == 5
+
+
+def test_chain_does_not_fuse_elementwise_calls_into_one_pass():
+    x = jnp.arange(1024, dtype=jnp.bfloat16)
+    text = _compiled(lambda a: a * jnp.bfloat16(1.25), 4, x)
+    # One multiply per call survives (XLA may not fold the chain into a single pass).
+    assert text.count("multiply(") >= 4
+
+
+def test_the_copy_probe_multiplier_is_not_one_in_bf16():
+    # bfloat16(1.0001) == 1.0 made the old copy probe a no-op that XLA deleted.
+    assert float(jnp.bfloat16(1.0001)) == 1.0
+    assert float(jnp.bfloat16(1.25)) == 1.25
+
+
+def test_feed_is_zero_for_finite_outputs_and_keeps_pytrees():
+    args = (jnp.ones((3, 2)), {"a": jnp.arange(4)})
+    out = jnp.full((5,), 7.0)
+    fed = timing._feed(args, out)
+    assert jax.tree.structure(fed) == jax.tree.structure(args)
+    np.testing.assert_array_equal(fed[0], args[0])
+    same = timing._feed((jnp.ones(5),), out)  # same shape and dtype: the output is fed through
+    np.testing.assert_array_equal(same[0], out)
+
+
+def test_device_time_runs_on_cpu():
+    t = timing.device_time(lambda a: a * 2.0, jnp.ones((256,)), min_ms=0.5, reps=2)
+    assert 0 < t < 1.0
