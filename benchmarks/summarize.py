@@ -33,17 +33,19 @@ def _f(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _by_shape(rows):
+    """``[(shape, triton_row, xla_row)]`` for the shapes the Triton backend ran."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["shape"], {})[r["backend"]] = r
+    return [(shape, d["triton"], d.get("xla")) for shape, d in by.items() if "triton" in d]
+
+
 def decode_table(rows, copy, matmul):
     out = ["| shape | XLA µs | Triton µs (serial) | Triton µs (overlapped) | TB/s | % copy | "
            "TFLOP/s | % matmul | × XLA | × FlashMLA | × vLLM Triton | rel err |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    by = {}
-    for r in rows:
-        by.setdefault(r["shape"], {})[r["backend"]] = r
-    for shape, d in by.items():
-        t, x = d.get("triton"), d.get("xla")
-        if t is None:
-            continue
+    for shape, t, x in _by_shape(rows):
         us = t["us"]
         tbps = t["kv_TBps"] * 1e12
         tf = t["TFLOPs"] * 1e12
@@ -60,13 +62,7 @@ def decode_table(rows, copy, matmul):
 def prefill_table(rows, matmul):
     out = ["| shape | XLA µs | Triton µs | Triton TFLOP/s | % matmul | × XLA |",
            "|---|---|---|---|---|---|"]
-    by = {}
-    for r in rows:
-        by.setdefault(r["shape"], {})[r["backend"]] = r
-    for shape, d in by.items():
-        t, x = d.get("triton"), d.get("xla")
-        if t is None:
-            continue
+    for shape, t, x in _by_shape(rows):
         out.append(f"| {shape} | {_f(x and x['us'], 0)} | {_f(t['us'], 0)} | {t['TFLOPs']:.0f} | "
                    f"{100 * t['TFLOPs'] * 1e12 / matmul:.0f} | {_f(t.get('speedup_vs_xla'), 1)} |")
     return "\n".join(out)

@@ -6,6 +6,8 @@ Public API:
   DecodeMetadata         the metadata pytree
   mla_attention          jitted MLA decode/verify: ``out [T, H, L]`` (+ natural-log ``lse``)
   merge_attn_states      exact LSE merge of two partial attention results
+  dcp_mla_attention      decode/verify with the cache sharded along the sequence over a mesh axis
+  dcp_*                  the DCP sharding rule, slot mapping, cache write and layout helpers
   mla_prefill            varlen (causal) MHA-form prefill attention: ``out [T, H, Dv]`` (+ ``lse``)
   mla_prefill_with_context  prefill over the cached context, in workspace-bounded chunks
   mla_mixed_step         decode rows (absorbed) then prefill rows (MHA) in one step
@@ -30,6 +32,7 @@ from jax_mla.dcp import (
     dcp_shardings,
     dcp_slot_mapping,
     dcp_verify_row_lens,
+    dcp_write_kv_cache,
 )
 from jax_mla.merge import merge_attn_states
 from jax_mla.metadata import DecodeMetadata, build_decode_metadata
@@ -51,6 +54,7 @@ __all__ = [
     "dcp_shardings",
     "dcp_slot_mapping",
     "dcp_verify_row_lens",
+    "dcp_write_kv_cache",
     "heads",
     "merge_attn_states",
     "mla_attention",

@@ -10,6 +10,8 @@ CUDA on XLA's stream. Nothing here has run on AMD hardware.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,12 +19,12 @@ import pytest
 
 import jax_mla
 from jax_mla.backends import aiter as aiter_backend
-from jax_mla.backends import current_platform, resolve_backend
+from jax_mla.backends import resolve_backend
 from jax_mla.rocm import build_aiter_decode_metadata
 from jax_mla.rocm import capabilities as caps
 
 import oracle
-from aiter_standin.harness import standin
+from aiter_standin.harness import forced_standins
 from conftest import make_case
 
 PS = 8  # page size of the test caches
@@ -31,18 +33,8 @@ PS = 8  # page size of the test caches
 @pytest.fixture
 def aiter_on():
     """The stand-in as ``aiter`` and the bridge forced on for this (non-ROCm) platform."""
-
-    def enter(arch="gfx950", cu_num=8):
-        ctx = standin(arch=arch, cu_num=cu_num)
-        mod = ctx.__enter__()
-        stack.append(ctx)
-        return mod
-
-    stack = []
-    with aiter_backend.force_bridge((current_platform(),)):
+    with forced_standins() as enter:
         yield enter
-    for ctx in reversed(stack):
-        ctx.__exit__(None, None, None)
 
 
 def _snapshot(*xs):
@@ -50,10 +42,46 @@ def _snapshot(*xs):
 
 
 def _assert_unchanged(before, *xs):
+    """Inputs unchanged means bit-identical: compare the raw bytes.
+
+    (``np.testing.assert_array_equal`` is not that: on some numpy builds it reported
+    ``nan (ACTUAL), nan (DESIRED)`` mismatches for NaN-poisoned bfloat16 arrays, and it would
+    also accept a NaN payload or a -0.0/+0.0 flip.)
+    """
     after = [np.asarray(jax.device_get(x)) for x in jax.tree_util.tree_leaves(xs)]
-    assert len(before) == len(after)
-    for b, a in zip(before, after):
-        np.testing.assert_array_equal(a, b)  # NaN == NaN here
+    assert len(before) == len(after), (len(before), len(after))
+    for i, (b, a) in enumerate(zip(before, after)):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), (i, a.dtype, a.shape, b.dtype, b.shape)
+        if a.size == 0:
+            continue
+        ab = np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, -1)
+        bb = np.ascontiguousarray(b).reshape(-1).view(np.uint8).reshape(b.size, -1)
+        diff = np.flatnonzero((ab != bb).any(axis=1))
+        if diff.size:
+            idx = np.unravel_index(diff[0], a.shape)
+            raise AssertionError(
+                f"input leaf {i} ({a.dtype}{list(a.shape)}) was modified: {diff.size} element(s) "
+                f"differ, first at index {tuple(int(j) for j in idx)}: before {b[idx]!r} "
+                f"(bytes {bb[diff[0]].tobytes().hex()}), after {a[idx]!r} "
+                f"(bytes {ab[diff[0]].tobytes().hex()})"
+            )
+
+
+def test_assert_unchanged_is_bitwise_and_catches_mutation():
+    # The helper itself: NaN-poisoned bf16 equal to itself, a real write caught and located.
+    base = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    x = jnp.asarray(np.where(base % 5 == 0, np.nan, base), jnp.bfloat16)
+    y = jnp.arange(6, dtype=jnp.int32)
+    before = _snapshot(x, y)
+    _assert_unchanged(before, x, y)
+    _assert_unchanged(before, jnp.array(x), y)
+    for leaf, idx, val in ((0, (1, 2, 3), 7.0), (0, (0, 0, 0), -np.nan), (1, (4,), -1)):
+        m = np.array((x, y)[leaf])
+        m[idx] = val  # a value change, and a NaN turned into another NaN bit pattern
+        args = (jnp.asarray(m), y) if leaf == 0 else (x, jnp.asarray(m))
+        with pytest.raises(AssertionError, match=rf"leaf {leaf} .*first at index "
+                                                 rf"{re.escape(str(idx))}"):
+            _assert_unchanged(before, *args)
 
 
 def _f32(x):

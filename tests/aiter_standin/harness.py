@@ -33,6 +33,32 @@ def standin(arch: str = "gfx950", cu_num: int | None = 8):
         importlib.invalidate_caches()
 
 
+@contextlib.contextmanager
+def forced_standins(on_enter=None):
+    """Yield ``enter(arch=..., cu_num=...)``: each call imports the stand-in as ``aiter`` (as
+    :func:`standin`) with the bridge forced on for this platform; all undone at exit.
+    ``on_enter(module)`` runs after each import (e.g. to make ``detect_arch`` report its arch)."""
+    from jax_mla.backends import aiter as aiter_backend
+    from jax_mla.backends import current_platform
+
+    stack = []
+
+    def enter(arch="gfx950", cu_num=8):
+        ctx = standin(arch=arch, cu_num=cu_num)
+        mod = ctx.__enter__()
+        stack.append(ctx)
+        if on_enter is not None:
+            on_enter(mod)
+        return mod
+
+    try:
+        with aiter_backend.force_bridge((current_platform(),)):
+            yield enter
+    finally:
+        for ctx in reversed(stack):
+            ctx.__exit__(None, None, None)
+
+
 def load_metadata_ref():
     """The plain-Python port of AITER's planner, without making ``aiter`` importable."""
     import importlib.util
