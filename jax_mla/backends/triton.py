@@ -24,7 +24,9 @@ _LOG2E = 1.4426950408889634
 # [rows, 512], which is what the register file bounds.
 _MAX_ROWS = 64
 _CTAS_PER_SM = 2
-# Decode tiles by MMA rows (Q * heads per block), from the H200 sweep in benchmarks/results.
+# Decode tiles by MMA rows (Q * heads per block): spill-free on sm_90 (ptxas) and first in the
+# ranking of the 2026-12-02 H200 sweep, whose absolute times came from a broken timer; to be
+# re-swept (benchmarks/h200_session.py tune, benchmarks/results/2026-12-02-h200/SUMMARY.md).
 _GPU_TILES = {
     16: {"block_n": 64, "num_warps": 4, "num_stages": 3},
     32: {"block_n": 32, "num_warps": 4, "num_stages": 2},
@@ -47,7 +49,7 @@ class KernelConfig:
 
 
 def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> KernelConfig:
-    """Tile shape for ``H`` heads x ``Q`` tokens (tuned on the H200; see benchmarks/results)."""
+    """Tile shape for ``H`` heads x ``Q`` tokens (see ``_GPU_TILES``; env overrides in config)."""
     max_rows = triton_max_rows() or _MAX_ROWS
     if qlen * num_heads <= max_rows:
         hb = num_heads
@@ -60,7 +62,7 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> K
         return KernelConfig(hb, nhb, block_m, 16, 1, 1)
     tile = dict(_GPU_TILES[min(block_m, 64)])
     if page_size % tile["block_n"] and block_m <= 16:
-        tile["num_stages"] = 2  # per-row table gathers: a shallower pipeline measured faster
+        tile["num_stages"] = 2  # per-row table gathers: a shallower pipeline ranked first
     tile.update(triton_decode_overrides())
     return KernelConfig(hb, nhb, block_m, **tile)
 
