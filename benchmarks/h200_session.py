@@ -130,38 +130,6 @@ def stage_prefill():
     main(["--out", f"{OUT}/prefill.json"])
 
 
-def stage_bench_inc():
-    """The decode benchmark grid, written to $OUT after every shape (a timeout keeps the rest)."""
-    import numpy as np
-
-    import jax_mla
-    from jax_mla.bench import decode
-    from jax_mla.bench.__main__ import environment, write
-    from jax_mla.bench.timing import ceilings
-
-    env = environment()
-    ceil = ceilings()
-    env.update(ceil)
-    log("ceilings", ceil)
-    backends = [b for b in jax_mla.available_backends() if b != "aiter"]
-    rng = np.random.default_rng(0)
-    rows = []
-    for shape in decode.target_shapes():
-        try:
-            rows += decode.run_shape(shape, backends, ceil, rng)
-        except Exception as e:  # noqa: BLE001
-            rows.append({"shape": shape.name, "error": repr(e)[:300]})
-        write(rows, env, f"{OUT}", "decode")
-        for r in rows[-len(backends):]:
-            log(r.get("shape"), r.get("backend"), f"{r.get('us', float('nan')):.1f}us",
-                f"k {r.get('kernel_us', float('nan')):.1f}",
-                f"disp {r.get('dispatch_us', float('nan')):.1f}",
-                f"md {r.get('metadata_us', float('nan')):.1f}",
-                f"{r.get('kv_TBps', float('nan')):.2f}TB/s {r.get('TFLOPs', float('nan')):.0f}TF",
-                f"x{r.get('speedup_vs_xla', float('nan')):.2f} err {r.get('rel_err_vs_xla')}",
-                r.get("error", ""))
-
-
 def _mini_plan(d):
     s = d.Shape
     return [(s(64, 16, 8192), [(64, 4, 2, 2), (32, 4, 3, 2), (64, 4, 3, 4)]),
@@ -181,7 +149,7 @@ def stage_dcp():
 def stage_bench():
     from jax_mla.bench.__main__ import main
 
-    main(["--out", f"{OUT}/bench", "--plot"] + sys.argv[2:])
+    main(["--out", f"{OUT}/bench", "--plot"] + sys.argv[2:])  # writes after every shape
 
 
 for st in STAGES:

@@ -273,22 +273,32 @@ EXEC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", EXEC_CASES, ids=lambda c: "-".join(map(str, c[:4])))
-def test_execute_plan_reference_matches_float64_oracle(rng, case):
+def _planned_case(rng, case):
+    """A NaN-poisoned case, its metadata, and AITER's plan for it (which must split a tile)."""
     arch, dt, qlen, heads, lens, num_cu = case
     c = make_case(rng, seq_lens=lens, qlen=qlen, num_heads=heads, page_size=8)
     md = build_decode_metadata(c.block_table, c.seq_lens, page_size=8, qlen=qlen)
     plan = pl.plan_mla_decode(md.paged_kv_indptr, qlen=qlen, num_heads=heads, q_dtype=dt,
                               kv_dtype=dt, arch=arch, num_cu=num_cu)
     assert int(plan.reduce_indptr[-1]) > 0, "the case must split at least one tile"
-    out, lse = pl.execute_plan_reference(jnp.asarray(c.q), jnp.asarray(c.cache), md, plan,
-                                         scale=c.scale)
+    return c, md, plan, qlen
+
+
+def _check_against_oracle(c, qlen, out, lse):
     want, want_lse = oracle.mla_decode(c.q, c.cache, c.block_table, c.seq_lens, qlen=qlen,
                                        page_size=8, scale=c.scale, kv_lora_rank=512)
     assert oracle.rel_err(out, want) < 1e-5
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     fin = np.isfinite(want_lse)
     np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], atol=1e-4)
+
+
+@pytest.mark.parametrize("case", EXEC_CASES, ids=lambda c: "-".join(map(str, c[:4])))
+def test_execute_plan_reference_matches_float64_oracle(rng, case):
+    c, md, plan, qlen = _planned_case(rng, case)
+    out, lse = pl.execute_plan_reference(jnp.asarray(c.q), jnp.asarray(c.cache), md, plan,
+                                         scale=c.scale)
+    _check_against_oracle(c, qlen, out, lse)
 
 
 def test_fold_rows_round_trip_and_aiter_order(rng):
@@ -351,12 +361,7 @@ def test_plan_drives_the_triton_reduce_kernel(rng, case):
     platform = current_platform()
     if not triton_importable(platform):  # on CPU this selects Triton's interpreter
         pytest.skip(f"triton cannot run on {platform} here")
-    arch, dt, qlen, heads, lens, num_cu = case
-    c = make_case(rng, seq_lens=lens, qlen=qlen, num_heads=heads, page_size=8)
-    md = build_decode_metadata(c.block_table, c.seq_lens, page_size=8, qlen=qlen)
-    plan = pl.plan_mla_decode(md.paged_kv_indptr, qlen=qlen, num_heads=heads, q_dtype=dt,
-                              kv_dtype=dt, arch=arch, num_cu=num_cu)
-    assert int(plan.reduce_indptr[-1]) > 0, "the case must split at least one tile"
+    c, md, plan, qlen = _planned_case(rng, case)
     final, final_lse, part, part_lse = pl.execute_plan_works(
         jnp.asarray(c.q), jnp.asarray(c.cache), md, plan, scale=c.scale)
     # The Triton reduce reads the plan's reduce maps as they are; rows per tile = tile_size.
@@ -368,12 +373,7 @@ def test_plan_drives_the_triton_reduce_kernel(rng, case):
         p, p_lse, sched, f, f_lse, platform=platform))(part, part_lse, final, final_lse)
     out_t = pl.unfold_rows(out_t, qlen, plan.fold_ratio)
     lse_t = pl.unfold_rows(lse_t, qlen, plan.fold_ratio)
-    want, want_lse = oracle.mla_decode(c.q, c.cache, c.block_table, c.seq_lens, qlen=qlen,
-                                       page_size=8, scale=c.scale, kv_lora_rank=512)
-    assert oracle.rel_err(out_t, want) < 1e-5
-    np.testing.assert_array_equal(np.isneginf(lse_t), np.isneginf(want_lse))
-    fin = np.isfinite(want_lse)
-    np.testing.assert_allclose(np.asarray(lse_t)[fin], want_lse[fin], atol=1e-4)
+    _check_against_oracle(c, qlen, out_t, lse_t)
     # And it agrees with the jnp reducer on the same partials.
     out_r, _ = pl.execute_plan_reference(jnp.asarray(c.q), jnp.asarray(c.cache), md, plan,
                                          scale=c.scale)
