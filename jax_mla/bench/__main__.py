@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -34,11 +35,14 @@ def environment() -> dict:
         "jax": jax.__version__,
         "jax_mla": jax_mla.__version__,
     }
-    for mod in ("jaxlib", "triton", "jax_triton", "torch"):
+    # Installed versions, read without importing: importing triton here would fix its mode
+    # before jax_mla chooses the interpreter on CPU (TRITON_INTERPRET is read at import).
+    for key, dist in (("jaxlib", "jaxlib"), ("triton", "triton"), ("jax_triton", "jax-triton"),
+                      ("torch", "torch")):
         try:
-            env[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - absent or broken: record that
-            env[mod] = None
+            env[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            env[key] = None
     return env
 
 
