@@ -79,6 +79,23 @@ def dcp_table(rows):
     return "\n".join(out)
 
 
+def kernel_times_table(rows, copy):
+    """GPU time per call from CUPTI kernel records (``benchmarks/gpu_kernel_times.py``)."""
+    from jax_mla.bench.decode import D
+
+    out = ["| shape | GPU µs / call | split kernel µs | reduce µs | split kernel TB/s | "
+           "% copy |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        k = r["kernels_us_per_call"]
+        split = sum(v for n, v in k.items() if "decode" in n)
+        red = sum(v for n, v in k.items() if "reduce" in n)
+        b, h, s_ = (int(t[1:]) for t in r["shape"].split()[:3])
+        kv = b * s_ * D * 2
+        out.append(f"| {r['shape']} | {r['gpu_us_per_call']:.1f} | {split:.1f} | {red:.1f} | "
+                   f"{kv / split / 1e6:.2f} | {100 * kv / split * 1e6 / copy:.0f} |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("folder")
@@ -93,6 +110,10 @@ def main(argv=None):
     path = os.path.join(a.folder, "prefill.json")
     if os.path.exists(path):
         parts += ["## Prefill", prefill_table(json.load(open(path))["rows"], a.matmul)]
+    path = os.path.join(a.folder, "kernel_times.json")
+    if os.path.exists(path):
+        parts += ["## GPU time per call (CUPTI kernel records)",
+                  kernel_times_table(json.load(open(path)), a.copy)]
     for name in sorted(os.listdir(a.folder)):
         if name.startswith("dcp_split") and name.endswith(".json"):
             parts += [f"## DCP split ({name})", dcp_table(json.load(open(os.path.join(

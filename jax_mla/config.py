@@ -6,8 +6,9 @@
   (for tuning sweeps; the defaults were picked on the H200).
 - ``JAX_MLA_TRITON_MAX_ROWS``: most MMA rows (query tokens x heads) one decode program holds
   (default 64; tuning sweeps).
-- ``JAX_MLA_TRITON_CTAS_PER_SM``: programs per multiprocessor the split schedule aims at
-  (default 2; tuning sweeps).
+- ``JAX_MLA_TRITON_CTAS_PER_SM``: persistent decode programs per multiprocessor (default: what
+  the tile's registers and shared memory allow, ``_GPU_TILES`` in ``backends/triton.py``;
+  tuning sweeps).
 - ``TRITON_INTERPRET``: Triton's own switch; on CPU jax_mla sets it to 1 if triton is not yet
   imported (see ``backends/triton_launch.py``).
 """

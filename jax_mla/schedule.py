@@ -1,12 +1,14 @@
 """The split-KV work schedule, built in ``jax.numpy`` (static shapes, no host sync).
 
-A *work* is one KV range of one request; the decode kernel runs one program per (work, head
-block). Requests are cut into pieces of about equal size so that the pieces fill the GPU's
-multiprocessors whatever the mix of lengths (FlashMLA's and AITER's aim, in a closed form that
-jit can trace): with ``blocks(b) = ceil(seq_lens[b] / BLOCK_N)`` and a per-work overhead, the
-batch's cost is spread over ``target_works`` programs, and request ``b`` is split into
-``ceil(blocks(b) / blocks_per_split)`` balanced pieces. The total never exceeds
-``target_works + B``, the static capacity.
+A *work* is one KV range of one request. The decode kernel is persistent: it runs ``P`` programs
+per head block (about as many as the GPU holds at once), and program ``p`` walks its works
+``work_indptr[p] .. work_indptr[p + 1]`` one after another. The plan cuts the batch the way
+FlashMLA's tile scheduler and AITER's persistent planner do: every request costs
+``ceil(seq_lens[b] / BLOCK_N)`` KV blocks plus a fixed per-work overhead, the requests are laid end
+to end, and the line is cut into ``P`` pieces of equal cost. A program's piece may end inside one
+request and go on into the next; each (program, request) overlap is one work. So every program
+does the same amount of work, whatever the mix of lengths, and there is no second wave. There are
+at most ``P + B`` works, the static capacity.
 
 The plan uses AITER's layout (``get_mla_metadata_v1``), so the same reduce consumes both:
 ``work_info_set[w] = (batch_idx, partial_qo_loc, qo_start, qo_end, kv_start, kv_end, kv_offset,
@@ -35,8 +37,9 @@ class SplitSchedule:
     """A split-KV plan (AITER layout; see the module docstring).
 
     Attributes:
-      work_info_set: ``[max_works, 8]`` int32.
-      num_works: ``[1]`` int32 valid works (programs past it exit at once).
+      work_indptr: ``[P + 1]`` int32: program ``p`` runs works ``work_indptr[p] .. [p + 1]``.
+      work_info_set: ``[max_works, 8]`` int32, ``max_works = P + B``; works in order.
+      num_works: ``[1]`` int32 valid works.
       reduce_indptr: ``[B + 1]`` int32.
       reduce_final_map: ``[B, 2]`` int32 ``(qo_start, qo_end)``.
       reduce_partial_map: ``[max_works]`` int32 partial row offsets; tail -1.
@@ -44,6 +47,7 @@ class SplitSchedule:
       num_head_blocks, qlen: static shape the plan was made for.
     """
 
+    work_indptr: jax.Array
     work_info_set: jax.Array
     num_works: jax.Array
     reduce_indptr: jax.Array
@@ -57,52 +61,88 @@ class SplitSchedule:
     def max_works(self) -> int:
         return self.work_info_set.shape[0]
 
+    @property
+    def num_programs(self) -> int:
+        return self.work_indptr.shape[0] - 1
+
 
 jax.tree_util.register_dataclass(
     SplitSchedule,
-    data_fields=["work_info_set", "num_works", "reduce_indptr", "reduce_final_map",
+    data_fields=["work_indptr", "work_info_set", "num_works", "reduce_indptr", "reduce_final_map",
                  "reduce_partial_map"],
     meta_fields=["block_n", "num_head_blocks", "qlen"],
 )
 
 
-@functools.partial(jax.jit, static_argnames=("qlen", "block_n", "target_works",
-                                             "num_head_blocks", "max_splits"))
-def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, target_works, num_head_blocks=1,
-                max_splits=64) -> SplitSchedule:
-    """Balanced split plan for ``seq_lens [B]`` (see the module docstring)."""
+@functools.partial(jax.jit, static_argnames=("qlen", "block_n", "num_programs",
+                                             "num_head_blocks"))
+def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_blocks=1
+                ) -> SplitSchedule:
+    """Balanced persistent plan for ``seq_lens [B]`` over ``num_programs`` programs.
+
+    Cost units: request ``b`` owns units ``[start_b, start_b + cost_b)`` of one line, unit 0 of it
+    the per-work overhead and unit ``1 + k`` its KV block ``k``. Program ``p`` owns units
+    ``[p * chunk, (p + 1) * chunk)`` (a start that falls just after a request's overhead unit moves
+    back to the request's start). The works are the pieces between consecutive cut points
+    (request starts and program starts), in order, so each program's works are contiguous.
+    """
     b = seq_lens.shape[0]
+    p_count = num_programs
+    cap = p_count + b
     seq_lens = seq_lens.astype(jnp.int32)
     blocks = -(-seq_lens // block_n)
-    total = jnp.sum(blocks + OVERHEAD_BLOCKS)
-    bps = jnp.maximum(1, -(-total // target_works))  # blocks per split
-    splits = jnp.clip(-(-blocks // bps), 1, max_splits).astype(jnp.int32)
-    zero = jnp.zeros((1,), jnp.int32)
-    work_indptr = jnp.concatenate([zero, jnp.cumsum(splits)])
-    max_works = target_works + b
-    r, s, valid = expand_indptr(work_indptr, max_works)
-    k = splits[r]
-    blk_lo = (s * blocks[r]) // k
-    blk_hi = ((s + 1) * blocks[r]) // k
+    cost = blocks + OVERHEAD_BLOCKS
+    ends = jnp.cumsum(cost)
+    starts = ends - cost
+    total = ends[-1]
+    chunk = jnp.maximum(1, -(-total // p_count))
+    big = jnp.iinfo(jnp.int32).max
+    prog_cuts = jnp.arange(p_count, dtype=jnp.int32) * chunk
+    # A program start that would leave a piece holding only a request's overhead unit moves back
+    # to the request's start: that program takes the unit (the balance stays within one unit).
+    rb = jnp.clip(jnp.searchsorted(starts, prog_cuts, side="right") - 1, 0, b - 1)
+    a = prog_cuts - starts[rb]
+    prog_cuts = jnp.where((a > 0) & (a <= OVERHEAD_BLOCKS), starts[rb], prog_cuts)
+    prog_cuts = jnp.where(prog_cuts < total, prog_cuts, big)
+    cuts = jnp.sort(jnp.concatenate([starts, prog_cuts]))
+    dup = jnp.concatenate([jnp.zeros((1,), bool), cuts[1:] == cuts[:-1]])
+    cuts = jnp.sort(jnp.where(dup, big, cuts))  # distinct cut points first, ascending
+    valid = cuts < big
+    n_works = jnp.sum(valid).astype(jnp.int32)
+    u0 = jnp.where(valid, cuts, total)
+    u1 = jnp.where(valid, jnp.concatenate([u0[1:], total[None]]), total)
+    r = jnp.clip(jnp.searchsorted(starts, u0, side="right") - 1, 0, b - 1).astype(jnp.int32)
+    prog = jnp.searchsorted(prog_cuts, u0, side="right") - 1  # the last program start <= u0
+    prog = jnp.where(valid, prog, p_count).astype(jnp.int32)
+    # Request-local units -> KV blocks (unit 0 is the overhead), then token positions.
+    a0 = u0 - starts[r]
+    a1 = u1 - starts[r]
     n = seq_lens[r]
-    lo = jnp.minimum(blk_lo * block_n, n)
-    hi = jnp.minimum(blk_hi * block_n, n)
-    base = kv_indptr[r]
-    split = splits > 1
-    part_per_req = jnp.where(split, splits, 0)
-    reduce_indptr = jnp.concatenate([zero, jnp.cumsum(part_per_req)]).astype(jnp.int32)
-    slot = reduce_indptr[r] + s  # partial slot of split works
-    ploc = jnp.where(split[r], slot * qlen, -1)
+    lo = jnp.minimum(jnp.maximum(a0 - OVERHEAD_BLOCKS, 0) * block_n, n)
+    hi = jnp.minimum(jnp.maximum(a1 - OVERHEAD_BLOCKS, 0) * block_n, n)
+    # Works per request and each work's index within its request.
+    per_req = jax.ops.segment_sum(valid.astype(jnp.int32), r, num_segments=b)
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_req)[:-1]])
+    s = jnp.arange(cap, dtype=jnp.int32) - first[r]
+    split = per_req > 1
+    zero = jnp.zeros((1,), jnp.int32)
+    reduce_indptr = jnp.concatenate([zero, jnp.cumsum(jnp.where(split, per_req, 0))])
+    reduce_indptr = reduce_indptr.astype(jnp.int32)
+    ploc = jnp.where(split[r], (reduce_indptr[r] + s) * qlen, -1)
     qo = r * qlen
+    base = kv_indptr[r]
     info = jnp.stack([r, ploc, qo, qo + qlen, base + lo, base + hi, n - hi,
                       jnp.zeros_like(r)], axis=1)
     info = jnp.where(valid[:, None], info, 0).astype(jnp.int32)
-    pr, ps_, pvalid = expand_indptr(reduce_indptr, max_works)
+    work_indptr = jnp.searchsorted(prog, jnp.arange(p_count + 1, dtype=jnp.int32),
+                                   side="left").astype(jnp.int32)
+    pr, ps_, pvalid = expand_indptr(reduce_indptr, cap)
     partial_map = jnp.where(pvalid, (reduce_indptr[pr] + ps_) * qlen, -1).astype(jnp.int32)
     qo_b = jnp.arange(b, dtype=jnp.int32) * qlen
     return SplitSchedule(
+        work_indptr=work_indptr,
         work_info_set=info,
-        num_works=work_indptr[-1:],
+        num_works=n_works[None],
         reduce_indptr=reduce_indptr,
         reduce_final_map=jnp.stack([qo_b, qo_b + qlen], axis=1),
         reduce_partial_map=partial_map,

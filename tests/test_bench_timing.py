@@ -45,3 +45,18 @@ def test_feed_is_zero_for_finite_outputs_and_keeps_pytrees():
 def test_device_time_runs_on_cpu():
     t = timing.device_time(lambda a: a * 2.0, jnp.ones((256,)), min_ms=0.5, reps=2)
     assert 0 < t < 1.0
+
+
+def test_decode_tune_checks_every_config_against_xla():
+    import numpy as np
+
+    from jax_mla.bench import decode
+
+    shape = decode.Shape(2, 4, 40, qlen=2, page=8)
+    plan = [(shape, [(16, 1, 1, 1), (16, 1, 1, 2, 4)])]
+    ceil = {"copy_bytes_per_s": 1e12, "bf16_matmul_flops": 1e14}
+    rows = decode.tune(plan, ceil, np.random.default_rng(0))
+    assert len(rows) == 2
+    for r in rows:
+        assert "error" not in r, r
+        assert r["us"] > 0 and r["rel_err_vs_xla"] < 1e-2, r

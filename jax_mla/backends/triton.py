@@ -23,14 +23,22 @@ _LOG2E = 1.4426950408889634
 # Rows (query tokens x heads) one program's MMA tile holds at most: the float32 accumulator is
 # [rows, 512], which is what the register file bounds.
 _MAX_ROWS = 64
-_CTAS_PER_SM = 2
-# Decode tiles by MMA rows (Q * heads per block): spill-free on sm_90 (ptxas) and first in the
-# ranking of the 2026-12-02 H200 sweep, whose absolute times came from a broken timer; to be
-# re-swept (benchmarks/h200_session.py tune, benchmarks/results/2026-12-02-h200/SUMMARY.md).
+# Decode tiles by MMA rows (Q * heads per block), and how many programs of that tile one
+# multiprocessor holds at once (registers and shared memory from ptxas for sm_90a, triton 3.6):
+# the persistent grid is exactly that many programs per SM, so none waits for a second wave.
+# Fastest in the 2026-12-02 H200 sweep (benchmarks/results/2026-12-02-h200/tune_decode.json):
+#   16 rows, block_n 32, 4 warps, 3 stages (mma.sync): 191 regs, 93 KB smem, KV double-buffered,
+#     2 / SM. B128 S32k 3.66 TB/s; block_n 16 with 3 / SM was 28 % slower, 2 stages (one KV
+#     buffer) 8 % slower.
+#   64 rows, block_n 64, 8 warps, 2 stages (wgmma): 255 regs (108 bytes spilled), 216 KB, 1 / SM.
+#     In one run at 128 heads 819 us against 953 us for block_n 32 / 3 stages (no spills) and
+#     1118 us for block_n 32 / 2 stages; block_n 16 was 1.45-1.66x slower. (128-head times
+#     vary ~20 % from run to run on this GPU: compare within one run.)
+# A 32-row block is neither MMA shape: it is split into two 16-row blocks that share each KV tile
+# through L2 (Q=2 at 16 heads: 200 us against 265-307 us as one block).
 _GPU_TILES = {
-    16: {"block_n": 64, "num_warps": 4, "num_stages": 3},
-    32: {"block_n": 32, "num_warps": 4, "num_stages": 2},
-    64: {"block_n": 64, "num_warps": 8, "num_stages": 2},
+    16: {"block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
+    64: {"block_n": 64, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},
 }
 
 
@@ -46,24 +54,28 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    ctas_per_sm: int = 1
 
 
 def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> KernelConfig:
     """Tile shape for ``H`` heads x ``Q`` tokens (see ``_GPU_TILES``; env overrides in config)."""
     max_rows = triton_max_rows() or _MAX_ROWS
+    gpu = platform in GPU_PLATFORMS
+    if gpu and not triton_max_rows() and 16 < qlen * num_heads <= 32 and qlen <= 16:
+        max_rows = 16  # two 16-row blocks, not one 32-row block (see _GPU_TILES)
     if qlen * num_heads <= max_rows:
         hb = num_heads
     else:
         hb = max(1, max_rows // qlen)
     nhb = -(-num_heads // hb)
     block_m = max(16, _next_pow2(qlen * hb))
-    if platform not in GPU_PLATFORMS:
+    if not gpu:
         # Interpreter: small tiles keep CI fast and exercise several tiles per work.
-        return KernelConfig(hb, nhb, block_m, 16, 1, 1)
-    tile = dict(_GPU_TILES[min(block_m, 64)])
-    if page_size % tile["block_n"] and block_m <= 16:
-        tile["num_stages"] = 2  # per-row table gathers: a shallower pipeline ranked first
+        return KernelConfig(hb, nhb, block_m, 16, 1, 1, 1)
+    tile = dict(_GPU_TILES[16 if block_m <= 16 else 64])
     tile.update(triton_decode_overrides())
+    if triton_ctas_per_sm():
+        tile["ctas_per_sm"] = triton_ctas_per_sm()
     return KernelConfig(hb, nhb, block_m, **tile)
 
 
@@ -73,16 +85,16 @@ def num_sms(platform: str) -> int:
     return 4
 
 
-def target_works(cfg: KernelConfig, platform: str) -> int:
-    ctas = triton_ctas_per_sm() or _CTAS_PER_SM
-    return max(1, num_sms(platform) * ctas // cfg.num_head_blocks)
+def num_programs(cfg: KernelConfig, platform: str) -> int:
+    """Persistent programs per head block: the whole grid is resident at once."""
+    return max(1, num_sms(platform) * cfg.ctas_per_sm // cfg.num_head_blocks)
 
 
 def plan(metadata, num_heads: int, platform: str) -> SplitSchedule:
     """The split schedule this backend would use for ``metadata`` and ``num_heads``."""
     cfg = kernel_config(num_heads, metadata.qlen, metadata.page_size, platform)
     return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, qlen=metadata.qlen,
-                       block_n=cfg.block_n, target_works=target_works(cfg, platform),
+                       block_n=cfg.block_n, num_programs=num_programs(cfg, platform),
                        num_head_blocks=cfg.num_head_blocks)
 
 
@@ -113,7 +125,8 @@ class TritonBackend:
         out_dtype = q.dtype
         sched = md.schedule
         if not (isinstance(sched, SplitSchedule) and sched.block_n == cfg.block_n
-                and sched.num_head_blocks == cfg.num_head_blocks and sched.qlen == md.qlen):
+                and sched.num_head_blocks == cfg.num_head_blocks and sched.qlen == md.qlen
+                and sched.num_programs == num_programs(cfg, platform)):
             sched = plan(md, h, platform)
         kv = kv_cache.reshape(-1, d)
         has_scale = kv_scale is not None
@@ -124,9 +137,9 @@ class TritonBackend:
         f32 = jnp.float32
         out, lse, part_out, part_lse = triton_call(
             _kernels().mla_decode_kernel,
-            q, kv, md.block_table, md.paged_kv_indptr, sched.work_info_set, sched.num_works,
+            q, kv, md.block_table, md.paged_kv_indptr, sched.work_indptr, sched.work_info_set,
             kv_scale_arr,
-            grid=(sched.max_works * cfg.num_head_blocks,),
+            grid=(sched.num_programs * cfg.num_head_blocks,),
             out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), out_dtype),
                         jax.ShapeDtypeStruct((t_rows, h), f32),
                         jax.ShapeDtypeStruct((prow, h, lr), f32),
@@ -146,7 +159,10 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
     """Merge split partials into ``out``/``lse`` in place (tiles with < 2 partials untouched)."""
     t_rows, h, lr = out.shape
     block_h = min(16, _next_pow2(h))
-    block_l = min(128, _next_pow2(lr))
+    gpu = platform in GPU_PLATFORMS
+    # [S, H, L] = 8 x 16 x 64 float32 per program on a GPU (64 registers a thread at 4 warps).
+    block_l = min(64 if gpu else 128, _next_pow2(lr))
+    block_s = 8 if gpu else 4
     tiles = sched.reduce_final_map.shape[0]
     out, lse = triton_call(
         _kernels().mla_reduce_kernel,
@@ -157,7 +173,7 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
                     jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
         input_output_aliases={5: 0, 6: 1},
         platform=platform, num_warps=4, num_stages=1,
-        H=h, L=lr, BLOCK_H=block_h, BLOCK_L=block_l, MAX_ROWS=sched.qlen,
+        H=h, L=lr, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_S=block_s, MAX_ROWS=sched.qlen,
     )
     return out, lse
 

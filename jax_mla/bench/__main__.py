@@ -21,7 +21,7 @@ import numpy as np
 
 import jax_mla
 from jax_mla.backends import current_platform
-from jax_mla.bench import decode
+from jax_mla.bench import decode, timing
 from jax_mla.bench.timing import ceilings
 
 
@@ -101,7 +101,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/latest")
     p.add_argument("--plot", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-ms", type=float, default=20.0,
+                   help="shortest timed program (ms): amortises its dispatch and sync")
     args = p.parse_args(argv)
+    timing.MIN_MS = args.min_ms
     backends = (args.backends.split(",") if args.backends
                 else [b for b in jax_mla.available_backends() if b != "aiter"])
     env = environment()

@@ -153,6 +153,11 @@ def tune(plan, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
     rows = []
     for shape, configs in plan:
         q, cache, table, lens = make_inputs(shape, rng)
+        # Every config's output is checked against the XLA backend on the same inputs.
+        ref_md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page, qlen=shape.qlen,
+                                               num_heads=shape.heads, backend="xla")
+        ref = jax_mla.mla_attention(q, cache, ref_md, scale=scale, backend="xla")
+        ref = np.asarray(ref.astype(jnp.float32))
         for cfg in configs:
             env = dict(zip(names, cfg))
             os.environ.update({k: str(v) for k, v in env.items()})
@@ -169,7 +174,9 @@ def tune(plan, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
                                        kv_scale=None)
 
                 t = device_time(kernels, q, cache, md)
-                rows.append({**row, **roofline(shape, np.asarray(lens), t, ceil)})
+                out = np.asarray(jax.jit(kernels)(q, cache, md)[0].astype(jnp.float32))
+                rows.append({**row, **roofline(shape, np.asarray(lens), t, ceil),
+                             "rel_err_vs_xla": rel_err(out, ref)})
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is data too
                 rows.append({**row, "error": repr(e)[:300]})
             finally:

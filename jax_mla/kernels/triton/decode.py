@@ -1,19 +1,24 @@
 """Split-KV paged MLA decode/verify and its exact LSE reduce, in Triton (NVIDIA and AMD).
 
-One program handles one *work* (a KV range of one request, from the split schedule) for one block
-of query heads, and all ``Q`` query tokens of that request: rows ``m = t * HB + h`` pack the
-verify tokens and heads into one MMA tile, so each latent KV row is read once per request and head
-block, not once per query token. The latent row ``[kv_c | k_pe]`` is both key (all ``L + R``
-columns) and value (the first ``L``): one load serves both products.
+The kernel is persistent: program ``p`` of head block ``hb`` runs the works
+``work_indptr[p] .. work_indptr[p + 1]`` of the split schedule (``jax_mla/schedule.py``) one after
+another, so every program does the same amount of KV reading whatever the mix of lengths. A *work*
+is a KV range of one request, handled for one block of query heads and all ``Q`` query tokens of
+that request: rows ``m = t * HB + h`` pack the verify tokens and heads into one MMA tile, so each
+latent KV row is read once per request and head block, not once per query token. The latent row
+``[kv_c | k_pe]`` is both key (all ``L + R`` columns) and value (the first ``L``): one load serves
+both products.
 
 The grid is one axis, head block fastest: the programs that read the same KV range for different
 head blocks run side by side, so the second read of a tile comes from L2, not HBM (128 heads).
 
 Each work's KV range is walked in two loops: tiles every query row sees whole (no masks at all,
 the hot loop), then the tail (the ragged end of the range and the causal diagonal of a verify
-block) with masks. Scores are kept in the base-2 domain (``scale * log2(e)`` folded in),
-accumulation is float32, and a row that sees no key keeps ``l = 0``: its output is 0 and its LSE
-``-inf``.
+block) with masks. The block-table entries of a tile are read one iteration ahead of its KV rows
+(a loop-carried value): with the table read in the same iteration, Triton's software pipeliner
+gives the KV tile a single buffer and the next tile's load waits for this tile's math. Scores
+are kept in the base-2 domain (``scale * log2(e)`` folded in), accumulation is float32, and a row
+that sees no key keeps ``l = 0``: its output is 0 and its LSE ``-inf``.
 """
 
 import triton
@@ -38,17 +43,16 @@ def _dot0(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _kv_rows(bt_row_ptr, start, pos, valid, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-             MASKED: tl.constexpr):
-    """Flat cache row (int64) of each logical position through the block table."""
+def _kv_rows(bt_row_ptr, start, pos, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+    """Flat cache row (int64) of each logical position through the block table.
+
+    Callers clamp ``start`` and ``pos`` into the request, so every table read is in bounds.
+    """
     if TILE_IN_PAGE:
         # Tiles start on a multiple of BLOCK_N, which divides the page: one table load.
         phys = tl.load(bt_row_ptr + start // PAGE_SIZE).to(tl.int64)
         return phys * PAGE_SIZE + (pos % PAGE_SIZE)
-    if MASKED:
-        phys = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    else:
-        phys = tl.load(bt_row_ptr + pos // PAGE_SIZE).to(tl.int64)
+    phys = tl.load(bt_row_ptr + pos // PAGE_SIZE).to(tl.int64)
     if PAGE_SIZE == 1:
         return phys
     return phys * PAGE_SIZE + (pos % PAGE_SIZE)
@@ -91,12 +95,17 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
+    last = tl.maximum(hi - 1, 0)
+    # Rows of the first tile; each iteration then reads the table for the next one.
+    rows = _kv_rows(bt_row, tl.minimum(lo, last), tl.minimum(lo + offs_n, last), PAGE_SIZE,
+                    TILE_IN_PAGE)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        rows = _kv_rows(bt_row, start, pos, valid, PAGE_SIZE, TILE_IN_PAGE, MASKED)
         k_nope, k_pe = _load_kv(kv_ptr, rows, offs_l, offs_r, valid, L, R, EVEN_L, EVEN_R,
                                 MASKED)
+        rows = _kv_rows(bt_row, tl.minimum(start + BLOCK_N, last),
+                        tl.minimum(pos + BLOCK_N, last), PAGE_SIZE, TILE_IN_PAGE)
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -122,20 +131,14 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
 
 
 @triton.jit
-def mla_decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, num_works_ptr, kv_scale_ptr,
-    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-    QK_SCALE: tl.constexpr, H: tl.constexpr, MAX_PAGES: tl.constexpr, Q: tl.constexpr,
-    HB: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_M: tl.constexpr, L: tl.constexpr,
-    R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    w = pid // NUM_HB
-    hb = pid % NUM_HB
-    if w >= tl.load(num_works_ptr):
-        return
+def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale, kv_scale,
+                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                 H: tl.constexpr, MAX_PAGES: tl.constexpr, Q: tl.constexpr, HB: tl.constexpr,
+                 BLOCK_M: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                 BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+                 HAS_KV_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Work ``w`` (one KV range of one request) for head block ``hb``."""
     D: tl.constexpr = L + R
     EVEN_L: tl.constexpr = BLOCK_L == L
     EVEN_R: tl.constexpr = BLOCK_R == R
@@ -164,12 +167,6 @@ def mla_decode_kernel(
         q_pe = q_pe.to(tl.float32)
     # Row t sees positions < seq - Q + t + 1 (right-aligned causal verify block).
     bound = seq - Q + t + 1
-    # QK_SCALE = softmax scale * log2(e): scores live in the base-2 domain.
-    if HAS_KV_SCALE:
-        kv_scale = tl.load(kv_scale_ptr)
-        qk_scale = kv_scale * QK_SCALE
-    else:
-        qk_scale = QK_SCALE
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -203,12 +200,51 @@ def mla_decode_kernel(
 
 
 @triton.jit
+def mla_decode_kernel(
+    q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_indptr_ptr, work_ptr, kv_scale_ptr,
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    QK_SCALE: tl.constexpr, H: tl.constexpr, MAX_PAGES: tl.constexpr, Q: tl.constexpr,
+    HB: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_M: tl.constexpr, L: tl.constexpr,
+    R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    p = pid // NUM_HB
+    hb = pid % NUM_HB
+    w0 = tl.load(work_indptr_ptr + p)
+    w1 = tl.load(work_indptr_ptr + p + 1)
+    # QK_SCALE = softmax scale * log2(e): scores live in the base-2 domain.
+    if HAS_KV_SCALE:
+        kv_scale = tl.load(kv_scale_ptr)
+        qk_scale = kv_scale * QK_SCALE
+    else:
+        kv_scale = 1.0
+        qk_scale = QK_SCALE
+    for w in range(w0, w1):
+        _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale, kv_scale,
+                     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H, MAX_PAGES, Q, HB, BLOCK_M,
+                     L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE, HAS_KV_SCALE,
+                     UPCAST, IEEE)
+
+
+@triton.jit
+def _partial_lse(part_lse_ptr, partial_map_ptr, js, j_ok, r, offs_h, h_ok, H: tl.constexpr):
+    """LSEs ``[BLOCK_S, BLOCK_H]`` of partials ``js`` (row ``r`` of each), and their row ids."""
+    base = tl.load(partial_map_ptr + js, mask=j_ok, other=0)
+    prow = (base + r).to(tl.int64)[:, None] * H + offs_h[None, :]
+    ok = j_ok[:, None] & h_ok[None, :]
+    lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"))
+    return tl.where(lj == float("inf"), float("-inf"), lj), prow, ok
+
+
+@triton.jit
 def mla_reduce_kernel(
     part_out_ptr, part_lse_ptr, reduce_indptr_ptr, final_map_ptr, partial_map_ptr,
     out_in_ptr, lse_in_ptr,
     out_ptr, lse_ptr,
     H: tl.constexpr, L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-    MAX_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr, MAX_ROWS: tl.constexpr,
 ):
     """Merge the split partials of one query tile (AITER's ``mla_reduce_v1`` semantics).
 
@@ -216,8 +252,10 @@ def mla_reduce_kernel(
     ``partial_map[reduce_indptr[i]:reduce_indptr[i+1]]`` (row offsets into the partial buffers)
     and final rows ``final_map[i] = (qo_start, qo_end)``. Tiles with fewer than two partials were
     written whole by the decode kernel and are left alone (``out_in``/``lse_in`` alias
-    ``out``/``lse``). Every latent block recomputes the (cheap) weights, so the one that holds
-    column 0 also writes the LSE.
+    ``out``/``lse``). ``BLOCK_S`` partials are read at once, as one ``[S, H, L]`` tile, so the
+    loads of different partials are in flight together (one at a time, the merge of a request
+    split many ways is a chain of dependent loads). Every latent block recomputes the (cheap)
+    weights, so the one that holds column 0 also writes the LSE.
     """
     i = tl.program_id(0)
     hb = tl.program_id(1)
@@ -228,34 +266,36 @@ def mla_reduce_kernel(
         return
     q0 = tl.load(final_map_ptr + 2 * i)
     q1 = tl.load(final_map_ptr + 2 * i + 1)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
     h_ok = offs_h < H
-    mask = h_ok[:, None] & (offs_l[None, :] < L)
+    l_ok = offs_l < L
     for r in range(0, MAX_ROWS):
         if q0 + r < q1:
             m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            for j in range(p0, p1):
-                prow = (tl.load(partial_map_ptr + j) + r).to(tl.int64) * H + offs_h
-                lj = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
-                lj = tl.where(lj == float("inf"), float("-inf"), lj)
-                m = tl.maximum(m, lj)
+            for c in range(p0, p1, BLOCK_S):
+                js = c + offs_s
+                lj, prow, ok = _partial_lse(part_lse_ptr, partial_map_ptr, js, js < p1, r,
+                                            offs_h, h_ok, H)
+                m = tl.maximum(m, tl.max(lj, axis=0))
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             z = tl.zeros([BLOCK_H], tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-            for j in range(p0, p1):
-                prow = (tl.load(partial_map_ptr + j) + r).to(tl.int64) * H + offs_h
-                lj = tl.load(part_lse_ptr + prow, mask=h_ok, other=float("-inf"))
-                lj = tl.where(lj == float("inf"), float("-inf"), lj)
-                wj = tl.exp(lj - m_safe)
-                oj = tl.load(part_out_ptr + prow[:, None] * L + offs_l[None, :], mask=mask,
-                             other=0.0)
-                acc += tl.where(wj[:, None] > 0, wj[:, None] * oj, 0.0)
-                z += wj
+            for c in range(p0, p1, BLOCK_S):
+                js = c + offs_s
+                lj, prow, ok = _partial_lse(part_lse_ptr, partial_map_ptr, js, js < p1, r,
+                                            offs_h, h_ok, H)
+                wj = tl.exp(lj - m_safe[None, :])  # [S, H]; 0 for masked or empty partials
+                oj = tl.load(part_out_ptr + prow[:, :, None] * L + offs_l[None, None, :],
+                             mask=ok[:, :, None] & l_ok[None, None, :], other=0.0)
+                acc += tl.sum(tl.where(wj[:, :, None] > 0, wj[:, :, None] * oj, 0.0), axis=0)
+                z += tl.sum(wj, axis=0)
             empty = z == 0.0
             z_safe = tl.where(empty, 1.0, z)
             o = tl.where(empty[:, None], 0.0, acc / z_safe[:, None])
             orow = (q0 + r).to(tl.int64) * H + offs_h
+            mask = h_ok[:, None] & l_ok[None, :]
             tl.store(out_ptr + orow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=mask)
             if lb == 0:

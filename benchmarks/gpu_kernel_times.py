@@ -1,0 +1,62 @@
+"""GPU time of each kernel of one jitted ``mla_attention`` call, read with CUPTI (torch.profiler).
+
+CUPTI's kernel records cover every kernel the process launches, JAX's included, so this gives the
+call's GPU time with no launch gaps and no host overhead: the split kernel, the reduce, and any
+XLA op around them. Usage on the GPU machine: ``python benchmarks/gpu_kernel_times.py OUT.json``.
+"""
+
+import json
+import sys
+
+
+def shapes():
+    from jax_mla.bench.decode import Shape
+
+    return [Shape(1, 16, 1024), Shape(1, 128, 1024), Shape(32, 16, 4096), Shape(64, 16, 8192),
+            Shape(128, 16, 32768), Shape(64, 16, 4096, qlen=2), Shape(128, 128, 4096)]
+
+
+def main(path, calls=20):
+    import jax
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import jax_mla
+    from jax_mla.bench.decode import DEEPSEEK_SCALE, make_inputs
+
+    torch.cuda.init()
+    rng = np.random.default_rng(0)
+    rows = []
+    for shape in shapes():
+        q, cache, table, lens = make_inputs(shape, rng)
+        md = jax.jit(lambda t, n, s=shape: jax_mla.build_decode_metadata(
+            t, n, page_size=s.page, qlen=s.qlen, num_heads=s.heads, backend="triton"))(table, lens)
+        f = jax.jit(lambda q, c, m: jax_mla.mla_attention(q, c, m, scale=DEEPSEEK_SCALE,
+                                                          backend="triton", return_lse=True))
+        jax.block_until_ready(f(q, cache, md))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                jax.block_until_ready(f(q, cache, md))
+        trace = f"/tmp/kernel_times.{len(rows)}.trace.json"
+        prof.export_chrome_trace(trace)  # every CUPTI kernel record, whoever launched it
+        kernels = {}
+        for e in json.load(open(trace)).get("traceEvents", []):
+            if e.get("cat") != "kernel":
+                continue
+            d = kernels.setdefault(e["name"][:60], [0, 0.0])
+            d[0] += 1
+            d[1] += float(e.get("dur", 0.0))
+        per_call = {k: v[1] / calls for k, v in kernels.items()}
+        row = {"shape": shape.name, "calls": calls, "kernels_us_per_call": per_call,
+               "gpu_us_per_call": sum(per_call.values()),
+               "launches_per_call": sum(v[0] for v in kernels.values()) / calls}
+        rows.append(row)
+        print(f"{shape.name}: GPU {row['gpu_us_per_call']:.1f} us/call "
+              f"({row['launches_per_call']:.1f} kernels) "
+              + " | ".join(f"{k[:28]} {v:.1f}" for k, v in per_call.items()), flush=True)
+    json.dump(rows, open(path, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
