@@ -109,3 +109,63 @@ def test_gpu_kernel_config_env_overrides(monkeypatch):
     monkeypatch.setenv("JAX_MLA_TRITON_MAX_ROWS", "32")
     c = kernel_config(16, 2, 64, "cuda")
     assert (c.heads_per_block, c.block_m, c.block_n, c.ctas_per_sm) == (16, 32, 16, 3)
+
+
+@pytest.mark.parametrize("qlen", [1, 2])
+def test_triton_reduce_merges_many_partials_exactly(qlen):
+    """Requests split 13 / 1 / 6 / 9 ways (partials empty, -inf or +inf-poisoned among them)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_mla.backends import current_platform
+    from jax_mla.backends.triton import reduce_partials
+    from jax_mla.backends.triton_launch import triton_importable
+
+    platform = current_platform()
+    if not triton_importable(platform):
+        pytest.skip(f"triton cannot run on {platform} here")
+    rng = np.random.default_rng()
+    h, lr = 3, 40
+    counts = np.array([13, 1, 6, 9])
+    b = len(counts)
+    split = np.where(counts > 1, counts, 0)
+    indptr = np.concatenate([[0], np.cumsum(split)]).astype(np.int32)
+    n_part = int(indptr[-1])
+    order = rng.permutation(n_part)  # partial rows need not be in request order
+    pmap = np.full(n_part + 3, -1, np.int32)
+    pmap[:n_part] = order * qlen
+    part = rng.standard_normal((n_part * qlen, h, lr)).astype(np.float32)
+    plse = (3 * rng.standard_normal((n_part * qlen, h))).astype(np.float32)
+    r2 = indptr[2]  # request 2: every partial empty -> out 0, lse -inf
+    plse[(order[r2:r2 + 6, None] * qlen + np.arange(qlen)).ravel()] = -np.inf
+    plse[order[indptr[3]] * qlen] = np.inf  # +inf counts as empty (AITER's convention)
+    final = rng.standard_normal((b * qlen, h, lr)).astype(np.float32)
+    final_lse = rng.standard_normal((b * qlen, h)).astype(np.float32)
+    fmap = np.stack([np.arange(b) * qlen, np.arange(b) * qlen + qlen], 1).astype(np.int32)
+    sched = types.SimpleNamespace(reduce_indptr=jnp.asarray(indptr),
+                                  reduce_final_map=jnp.asarray(fmap),
+                                  reduce_partial_map=jnp.asarray(pmap), qlen=qlen)
+    out, lse = jax.jit(lambda p, pl_, f, fl: reduce_partials(p, pl_, sched, f, fl,
+                                                             platform=platform))(
+        jnp.asarray(part), jnp.asarray(plse), jnp.asarray(final), jnp.asarray(final_lse))
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    for i in range(b):
+        rows = slice(i * qlen, i * qlen + qlen)
+        if counts[i] < 2:  # written whole by the split kernel: left alone
+            np.testing.assert_array_equal(out[rows], final[rows])
+            np.testing.assert_array_equal(lse[rows], final_lse[rows])
+            continue
+        prow = order[indptr[i]:indptr[i + 1]][:, None] * qlen + np.arange(qlen)  # [S, Q]
+        lj = plse[prow].astype(np.float64)  # [S, Q, H]
+        lj[np.isposinf(lj)] = -np.inf
+        m = lj.max(0)
+        if np.all(np.isneginf(m)):
+            np.testing.assert_array_equal(out[rows], 0.0)
+            assert np.all(np.isneginf(lse[rows]))
+            continue
+        w = np.exp(lj - m)
+        want = (w[..., None] * part[prow]).sum(0) / w.sum(0)[..., None]
+        np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse[rows], m + np.log(w.sum(0)), rtol=1e-6, atol=1e-6)

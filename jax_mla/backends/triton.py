@@ -160,8 +160,10 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
     t_rows, h, lr = out.shape
     block_h = min(16, _next_pow2(h))
     gpu = platform in GPU_PLATFORMS
-    # [S, H, L] = 8 x 16 x 64 float32 per program on a GPU (64 registers a thread at 4 warps).
-    block_l = min(64 if gpu else 128, _next_pow2(lr))
+    # [S, H, L] = 8 x 16 x 16 float32 per program on a GPU: 72 registers a thread (sm_90a), so
+    # ~7 programs per SM hide the latency of each request's chain of loads (8 x 16 x 64 took 249
+    # registers: 2 programs per SM, and 101 us at 128 heads, B=128).
+    block_l = min(16 if gpu else 128, _next_pow2(lr))
     block_s = 8 if gpu else 4
     tiles = sched.reduce_final_map.shape[0]
     out, lse = triton_call(
@@ -174,6 +176,7 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
         input_output_aliases={5: 0, 6: 1},
         platform=platform, num_warps=4, num_stages=1,
         H=h, L=lr, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_S=block_s, MAX_ROWS=sched.qlen,
+        OFF64=part_out.size >= 2**31,
     )
     return out, lse
 

@@ -229,22 +229,12 @@ def mla_decode_kernel(
 
 
 @triton.jit
-def _partial_lse(part_lse_ptr, partial_map_ptr, js, j_ok, r, offs_h, h_ok, H: tl.constexpr):
-    """LSEs ``[BLOCK_S, BLOCK_H]`` of partials ``js`` (row ``r`` of each), and their row ids."""
-    base = tl.load(partial_map_ptr + js, mask=j_ok, other=0)
-    prow = (base + r).to(tl.int64)[:, None] * H + offs_h[None, :]
-    ok = j_ok[:, None] & h_ok[None, :]
-    lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"))
-    return tl.where(lj == float("inf"), float("-inf"), lj), prow, ok
-
-
-@triton.jit
 def mla_reduce_kernel(
     part_out_ptr, part_lse_ptr, reduce_indptr_ptr, final_map_ptr, partial_map_ptr,
     out_in_ptr, lse_in_ptr,
     out_ptr, lse_ptr,
     H: tl.constexpr, L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_S: tl.constexpr, MAX_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr, MAX_ROWS: tl.constexpr, OFF64: tl.constexpr,
 ):
     """Merge the split partials of one query tile (AITER's ``mla_reduce_v1`` semantics).
 
@@ -252,10 +242,13 @@ def mla_reduce_kernel(
     ``partial_map[reduce_indptr[i]:reduce_indptr[i+1]]`` (row offsets into the partial buffers)
     and final rows ``final_map[i] = (qo_start, qo_end)``. Tiles with fewer than two partials were
     written whole by the decode kernel and are left alone (``out_in``/``lse_in`` alias
-    ``out``/``lse``). ``BLOCK_S`` partials are read at once, as one ``[S, H, L]`` tile, so the
-    loads of different partials are in flight together (one at a time, the merge of a request
-    split many ways is a chain of dependent loads). Every latent block recomputes the (cheap)
-    weights, so the one that holds column 0 also writes the LSE.
+    ``out``/``lse``).
+
+    One pass with a running max: ``BLOCK_S`` partials are read at once, as one ``[S, H, L]`` tile,
+    so the loads of a request's partials are in flight together; the merge is latency-bound (a
+    request's partials are a chain of dependent loads), so a program holds a small tile (few
+    registers, many programs per SM). Every latent block recomputes the (cheap) weights, so the
+    one that holds column 0 also writes the LSE. ``OFF64``: partial offsets need 64 bits.
     """
     i = tl.program_id(0)
     hb = tl.program_id(1)
@@ -274,23 +267,28 @@ def mla_reduce_kernel(
     for r in range(0, MAX_ROWS):
         if q0 + r < q1:
             m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            for c in range(p0, p1, BLOCK_S):
-                js = c + offs_s
-                lj, prow, ok = _partial_lse(part_lse_ptr, partial_map_ptr, js, js < p1, r,
-                                            offs_h, h_ok, H)
-                m = tl.maximum(m, tl.max(lj, axis=0))
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
             z = tl.zeros([BLOCK_H], tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
             for c in range(p0, p1, BLOCK_S):
                 js = c + offs_s
-                lj, prow, ok = _partial_lse(part_lse_ptr, partial_map_ptr, js, js < p1, r,
-                                            offs_h, h_ok, H)
-                wj = tl.exp(lj - m_safe[None, :])  # [S, H]; 0 for masked or empty partials
+                j_ok = js < p1
+                base = tl.load(partial_map_ptr + js, mask=j_ok, other=0) + r
+                if OFF64:
+                    base = base.to(tl.int64)
+                prow = base[:, None] * H + offs_h[None, :]
+                ok = j_ok[:, None] & h_ok[None, :]
+                lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"))
+                lj = tl.where(lj == float("inf"), float("-inf"), lj)
                 oj = tl.load(part_out_ptr + prow[:, :, None] * L + offs_l[None, None, :],
                              mask=ok[:, :, None] & l_ok[None, None, :], other=0.0)
-                acc += tl.sum(tl.where(wj[:, :, None] > 0, wj[:, :, None] * oj, 0.0), axis=0)
-                z += tl.sum(wj, axis=0)
+                m_new = tl.maximum(m, tl.max(lj, axis=0))
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - m_sub)
+                wj = tl.exp(lj - m_sub[None, :])
+                acc = acc * alpha[:, None] + tl.sum(
+                    tl.where(wj[:, :, None] > 0, wj[:, :, None] * oj, 0.0), axis=0)
+                z = z * alpha + tl.sum(wj, axis=0)
+                m = m_new
             empty = z == 0.0
             z_safe = tl.where(empty, 1.0, z)
             o = tl.where(empty[:, None], 0.0, acc / z_safe[:, None])
@@ -299,5 +297,6 @@ def mla_reduce_kernel(
             tl.store(out_ptr + orow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=mask)
             if lb == 0:
-                lse = tl.where(empty, float("-inf"), m_safe + tl.log(z_safe))
+                m_fin = tl.where(m == float("-inf"), 0.0, m)
+                lse = tl.where(empty, float("-inf"), m_fin + tl.log(z_safe))
                 tl.store(lse_ptr + orow, lse, mask=h_ok)
