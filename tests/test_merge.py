@@ -23,7 +23,7 @@ def test_merge_matches_softmax_over_the_union(rng, dtype):
     assert out.dtype == dtype and lse.dtype == jnp.float32
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
     assert rel_err(out, want_o) < tol
-    np.testing.assert_allclose(lse, want_l, rtol=1e-6)
+    np.testing.assert_allclose(lse, want_l, rtol=1e-6, atol=1e-6)  # an LSE can sit near 0
 
 
 def test_empty_sides(rng):

@@ -73,7 +73,8 @@ def test_dense_reference_matches_oracle(rng):
         out, lse = dense_reference(q, k, v, cu_q, cu_k, scale=0.5, causal=causal)
         w_out, w_lse = varlen_attention(q, k, v, cu_q, cu_k, scale=0.5, causal=causal)
         np.testing.assert_allclose(out, w_out, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(lse, w_lse, rtol=1e-5)
+        # An LSE can sit near 0, where a relative bound alone is float32 noise (1.2e-5 seen).
+        np.testing.assert_allclose(lse, w_lse, rtol=1e-5, atol=1e-6)
 
 
 def test_context_check_case_runs_small():
