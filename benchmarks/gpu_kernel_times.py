@@ -1,8 +1,9 @@
 """GPU time of each kernel of one jitted ``mla_attention`` call, read with CUPTI (torch.profiler).
 
 CUPTI's kernel records cover every kernel the process launches, JAX's included, so this gives the
-call's GPU time with no launch gaps and no host overhead: the split kernel, the reduce, and any
-XLA op around them. Usage on the GPU machine: ``python benchmarks/gpu_kernel_times.py OUT.json``.
+call's GPU time with no launch gaps and no host overhead: the split kernel, the reduce, memsets,
+and any XLA op around them. Usage on the GPU machine:
+``python benchmarks/gpu_kernel_times.py OUT.json``.
 """
 
 import json
@@ -12,8 +13,10 @@ import sys
 def shapes():
     from jax_mla.bench.decode import Shape
 
-    return [Shape(1, 16, 1024), Shape(1, 128, 1024), Shape(32, 16, 4096), Shape(64, 16, 8192),
-            Shape(128, 16, 32768), Shape(64, 16, 4096, qlen=2), Shape(128, 128, 4096)]
+    return [Shape(1, 16, 1024), Shape(1, 128, 1024), Shape(8, 16, 8192), Shape(16, 16, 8192),
+            Shape(32, 16, 4096), Shape(64, 16, 8192), Shape(128, 16, 32768),
+            Shape(64, 16, 4096, qlen=2), Shape(2, 128, 8192), Shape(8, 128, 32768),
+            Shape(128, 128, 4096)]
 
 
 def main(path, calls=20):
@@ -42,7 +45,7 @@ def main(path, calls=20):
         prof.export_chrome_trace(trace)  # every CUPTI kernel record, whoever launched it
         kernels = {}
         for e in json.load(open(trace)).get("traceEvents", []):
-            if e.get("cat") != "kernel":
+            if e.get("cat") not in ("kernel", "gpu_memset"):
                 continue
             d = kernels.setdefault(e["name"][:60], [0, 0.0])
             d[0] += 1

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_mla.schedule import OVERHEAD_BLOCKS, plan_splits
+from jax_mla.schedule import NO_SPLIT_SLACK, OVERHEAD_BLOCKS, plan_splits
 
 
 def _plan(lens, *, qlen=1, block_n=16, programs=8):
@@ -45,14 +45,17 @@ def _check(lens, qlen, block_n, programs):
             slots = p["reduce_partial_map"][p["reduce_indptr"][r]:p["reduce_indptr"][r + 1]]
             np.testing.assert_array_equal(mine[:, 1], slots)
     # Balance: every program's cost (blocks + the overhead unit of each request it starts) is at
-    # most the equal share plus one unit.
+    # most the equal share plus one unit; a plan that splits nothing may take NO_SPLIT_SLACK more.
     cost = (-(-lens // block_n)) + OVERHEAD_BLOCKS
     chunk = max(1, -(-int(cost.sum()) // programs))
+    num, den = NO_SPLIT_SLACK
+    no_split = p["reduce_indptr"][-1] == 0
+    bound = chunk * (den + num) / den if no_split else chunk + OVERHEAD_BLOCKS
     for q in range(programs):
         w = info[wp[q]:wp[q + 1]]
         units = ((w[:, 5] - w[:, 4]) + block_n - 1) // block_n
         starts = (w[:, 4] == indptr[w[:, 0]]).sum()  # works that hold their request's overhead
-        assert units.sum() + starts * OVERHEAD_BLOCKS <= chunk + OVERHEAD_BLOCKS
+        assert units.sum() + starts * OVERHEAD_BLOCKS <= max(bound, chunk + OVERHEAD_BLOCKS)
     # No piece holds only an overhead unit of a request that has KV (an empty extra partial).
     for r in np.flatnonzero(lens > 0):
         mine = info[info[:, 0] == r]
@@ -76,6 +79,22 @@ def test_plan_splits_long_request_across_programs():
     info = p["work_info_set"][: int(p["num_works"][0])]
     assert (info[:, 0] == 0).sum() >= 5  # 41 of 48 units: spread over most programs
     assert np.all(info[info[:, 0] == 2, 4:6] == indptr[2])  # the empty request: one empty work
+
+
+@pytest.mark.parametrize("batch,programs,whole", [
+    (128, 66, True),    # 128 heads, B=128: 2 requests a program at most, 3 % over the share
+    (128, 132, True),   # 64 heads: a request a program at most
+    (128, 264, False),  # 16 heads: half the programs would idle, so requests are split
+    (8, 66, False),
+])
+def test_plan_splits_nothing_when_whole_requests_balance(batch, programs, whole):
+    lens = [4096] * batch
+    _check(lens, 1, 64, programs)
+    _, _, p, _ = _plan(lens, block_n=64, programs=programs)
+    assert (p["reduce_indptr"][-1] == 0) == whole
+    if whole:
+        per_prog = np.diff(p["work_indptr"])
+        assert per_prog.max() == -(-batch // programs) and per_prog.sum() == batch
 
 
 @pytest.mark.parametrize("programs", [1, 3, 264])

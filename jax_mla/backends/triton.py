@@ -71,7 +71,7 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> K
     block_m = max(16, _next_pow2(qlen * hb))
     if not gpu:
         # Interpreter: small tiles keep CI fast and exercise several tiles per work.
-        return KernelConfig(hb, nhb, block_m, 16, 1, 1, 1)
+        return KernelConfig(hb, nhb, block_m, 16, 1, 1, triton_ctas_per_sm() or 1)
     tile = dict(_GPU_TILES[16 if block_m <= 16 else 64])
     tile.update(triton_decode_overrides())
     if triton_ctas_per_sm():
