@@ -19,7 +19,9 @@ The plan uses AITER's layout (``get_mla_metadata_v1``), so the same reduce consu
 ``kv_offset`` the request's tokens after ``kv_end``; ``partial_qo_loc = -1`` marks a work that
 covers its whole request and writes the final output, otherwise its ``Q`` rows go to partial rows
 ``[partial_qo_loc, partial_qo_loc + Q)``. ``reduce_indptr [B+1]``, ``reduce_final_map [B, 2]``
-and ``reduce_partial_map [capacity]`` say which partial rows merge into which final rows.
+and ``reduce_partial_map [capacity]`` say which partial rows merge into which final rows;
+``reduce_tiles`` (ours, not AITER's) lists the requests that were split, so the reduce launches
+programs for those only.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class SplitSchedule:
       reduce_indptr: ``[B + 1]`` int32.
       reduce_final_map: ``[B, 2]`` int32 ``(qo_start, qo_end)``.
       reduce_partial_map: ``[max_works]`` int32 partial row offsets; tail -1.
+      reduce_tiles: ``[max(1, min(B, P - 1))]`` int32: the requests that were split, ascending,
+        tail -1. The reduce runs one tile per entry: P programs cut at most P - 1 requests.
       block_n: static KV tile; every work starts on a multiple of it.
       num_head_blocks, qlen: static shape the plan was made for.
     """
@@ -60,6 +64,7 @@ class SplitSchedule:
     reduce_indptr: jax.Array
     reduce_final_map: jax.Array
     reduce_partial_map: jax.Array
+    reduce_tiles: jax.Array
     block_n: int = 64
     num_head_blocks: int = 1
     qlen: int = 1
@@ -76,7 +81,7 @@ class SplitSchedule:
 jax.tree_util.register_dataclass(
     SplitSchedule,
     data_fields=["work_indptr", "work_info_set", "num_works", "reduce_indptr", "reduce_final_map",
-                 "reduce_partial_map"],
+                 "reduce_partial_map", "reduce_tiles"],
     meta_fields=["block_n", "num_head_blocks", "qlen"],
 )
 
@@ -166,6 +171,8 @@ def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_bl
         reduce_indptr=reduce_indptr,
         reduce_final_map=jnp.stack([qo_b, qo_b + qlen], axis=1),
         reduce_partial_map=partial_map,
+        reduce_tiles=jnp.nonzero(split, size=max(1, min(b, p_count - 1)),
+                                 fill_value=-1)[0].astype(jnp.int32),
         block_n=block_n,
         num_head_blocks=num_head_blocks,
         qlen=qlen,

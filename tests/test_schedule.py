@@ -14,7 +14,7 @@ def _plan(lens, *, qlen=1, block_n=16, programs=8):
     sched = plan_splits(lens, indptr, qlen=qlen, block_n=block_n, num_programs=programs)
     return lens, indptr, {k: np.asarray(getattr(sched, k)) for k in (
         "work_indptr", "work_info_set", "num_works", "reduce_indptr", "reduce_final_map",
-        "reduce_partial_map")}, sched
+        "reduce_partial_map", "reduce_tiles")}, sched
 
 
 def _check(lens, qlen, block_n, programs):
@@ -60,6 +60,12 @@ def _check(lens, qlen, block_n, programs):
     for r in np.flatnonzero(lens > 0):
         mine = info[info[:, 0] == r]
         assert np.all(mine[:, 5] > mine[:, 4]), (r, mine)
+    # The reduce's tiles: exactly the split requests, ascending, in a list of static length.
+    split_reqs = np.flatnonzero(np.diff(p["reduce_indptr"]) > 0)
+    tiles = p["reduce_tiles"]
+    assert len(tiles) == max(1, min(b, programs - 1)) and len(split_reqs) <= len(tiles)
+    np.testing.assert_array_equal(tiles[:len(split_reqs)], split_reqs)
+    assert np.all(tiles[len(split_reqs):] == -1)
     # Partial slots are distinct and dense.
     ploc = info[info[:, 1] >= 0, 1]
     assert len(set(ploc.tolist())) == len(ploc)

@@ -230,7 +230,7 @@ def mla_decode_kernel(
 
 @triton.jit
 def mla_reduce_kernel(
-    part_out_ptr, part_lse_ptr, reduce_indptr_ptr, final_map_ptr, partial_map_ptr,
+    part_out_ptr, part_lse_ptr, reduce_indptr_ptr, final_map_ptr, partial_map_ptr, tiles_ptr,
     out_in_ptr, lse_in_ptr,
     out_ptr, lse_ptr,
     H: tl.constexpr, L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -238,7 +238,8 @@ def mla_reduce_kernel(
 ):
     """Merge the split partials of one query tile (AITER's ``mla_reduce_v1`` semantics).
 
-    Grid ``(tiles, head blocks, latent blocks)``. Tile ``i`` owns partials
+    Grid ``(len(tiles), head blocks, latent blocks)``; program ``k`` merges tile
+    ``i = tiles[k]`` (``-1``: nothing). Tile ``i`` owns partials
     ``partial_map[reduce_indptr[i]:reduce_indptr[i+1]]`` (row offsets into the partial buffers)
     and final rows ``final_map[i] = (qo_start, qo_end)``. Tiles with fewer than two partials were
     written whole by the decode kernel and are left alone (``out_in``/``lse_in`` alias
@@ -250,9 +251,11 @@ def mla_reduce_kernel(
     registers, many programs per SM). Every latent block recomputes the (cheap) weights, so the
     one that holds column 0 also writes the LSE. ``OFF64``: partial offsets need 64 bits.
     """
-    i = tl.program_id(0)
+    i = tl.load(tiles_ptr + tl.program_id(0))
     hb = tl.program_id(1)
     lb = tl.program_id(2)
+    if i < 0:
+        return
     p0 = tl.load(reduce_indptr_ptr + i)
     p1 = tl.load(reduce_indptr_ptr + i + 1)
     if p1 - p0 < 2:
