@@ -64,6 +64,11 @@ def stage_aiter():
     _pytest("aiter", ["tests/test_aiter_bridge.py"], 150)
 
 
+def stage_tests_reduce():
+    _pytest("reduce", ["tests/test_schedule.py", "tests/test_aiter_planner.py", "-k", "reduce"],
+            200)
+
+
 def stage_tests_more():
     _pytest("errors_merge", ["tests/test_errors.py", "tests/test_merge.py"], 200)
 
@@ -80,7 +85,7 @@ def _tune(plan_fn, name):
     json.dump({"ceil": ceil, "rows": rows}, open(f"{OUT}/{name}.json", "w"), indent=1)
     for r in rows:
         log(r["shape"], r["block_n"], r["num_warps"], r["num_stages"], r["ctas_per_sm"],
-            r["max_rows"],
+            r["max_rows"], "wg_split", r.get("wg_split"), "min_block_m", r.get("min_block_m"),
             f"{r.get('us', float('nan')):.1f}us", f"{r.get('kv_TBps', float('nan')):.2f}TB/s",
             f"{r.get('TFLOPs', float('nan')):.0f}TF", f"err {r.get('rel_err_vs_xla', -1):.1e}",
             r.get("error", ""))
@@ -109,17 +114,27 @@ def _decode_plan(d):
     ]
 
 
-def stage_kernel_times():
+def _kernel_times(name, **env_extra):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra)
     try:
         r = subprocess.run([sys.executable, "benchmarks/gpu_kernel_times.py",
-                            f"{OUT}/kernel_times.json"], capture_output=True, text=True,
+                            f"{OUT}/{name}.json"], capture_output=True, text=True,
                            timeout=240, env=env)
         text = r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         text = f"TIMEOUT\n{e.stdout or ''}"
-    open(f"{OUT}/kernel_times_log.txt", "w").write(str(text))
-    log("kernel times:\n" + "\n".join(str(text).strip().splitlines()[-16:]))
+    open(f"{OUT}/{name}_log.txt", "w").write(str(text))
+    log(f"{name}:\n" + "\n".join(str(text).strip().splitlines()[-16:]))
+
+
+def stage_kernel_times():
+    _kernel_times("kernel_times")
+
+
+def stage_kernel_times_nosplit():
+    """CUPTI times with the 64-row tile as Triton lays it out (A/B for triton_ttgir.py)."""
+    _kernel_times("kernel_times_nosplit", JAX_MLA_TRITON_WG_SPLIT="0")
 
 
 def stage_tune():
@@ -158,6 +173,52 @@ def _mini_plan(d):
 
 def stage_mini_tune():
     _tune(_mini_plan, "tune_decode_mini")
+
+
+def _wg_split_plan(d):
+    """The 64-row tile with the score tile split across warpgroups (wg 1) or not (wg 0)."""
+    s = d.Shape
+    base = [(64, 8, 2, 1, None, 0), (64, 8, 2, 1, None, 1)]
+    more = [(32, 8, 3, 1, None, 1), (32, 8, 4, 1, None, 1)]
+    return [(s(128, 128, 4096), base + more), (s(128, 128, 8192), base),
+            (s(64, 16, 4096, qlen=4), base + more[:1]), (s(64, 16, 4096, qlen=3), base),
+            (s(128, 64, 4096), base), (s(128, 128, 4096, page=1), base)]
+
+
+def _wg16_plan(d):
+    """Four warpgroups on the 64-row tile (score columns split four ways, 64 accumulator
+    registers a thread; ptxas: 128 registers, 100-200 bytes spilled) against two."""
+    s = d.Shape
+    cfgs = [(64, 8, 2, 1, None, 1), (64, 16, 2, 1, None, 1), (32, 16, 3, 1, None, 1)]
+    # Q=2 at 16 heads: two 16-row blocks (the default) or one 64-row tile half padding.
+    q2 = [(None, None, None, None), (64, 8, 2, 1, None, 1, 64)]
+    return [(s(128, 128, 4096), cfgs), (s(64, 16, 4096, qlen=4), cfgs[:2]),
+            (s(64, 16, 4096, qlen=2), q2)]
+
+
+def stage_wg16():
+    _tune(_wg16_plan, "tune_wg16")
+
+
+def _final_ab_plan(d):
+    """The defaults against the alternatives, with the bench's 20 ms timer: 32-row blocks as one
+    padded 64-row tile (default on CUDA) or two 16-row blocks (max_rows 16); Q=4 on 8 or 16
+    warps."""
+    s = d.Shape
+    pad_or_two = [(None, None, None, None), (None, None, None, None, 16)]
+    return [(s(64, 16, 4096, qlen=2), pad_or_two), (s(128, 32, 4096), pad_or_two),
+            (s(64, 16, 4096, qlen=4), [(None, None, None, None), (None, 16, None, None)])]
+
+
+def stage_final_ab():
+    from jax_mla.bench import timing
+
+    timing.MIN_MS = 20.0
+    _tune(_final_ab_plan, "tune_final_ab")
+
+
+def stage_wg_split():
+    _tune(_wg_split_plan, "tune_wg_split")
 
 
 def stage_dcp():

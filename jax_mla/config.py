@@ -6,9 +6,14 @@
   (for tuning sweeps; the defaults were picked on the H200).
 - ``JAX_MLA_TRITON_MAX_ROWS``: most MMA rows (query tokens x heads) one decode program holds
   (default 64; tuning sweeps).
+- ``JAX_MLA_TRITON_MIN_BLOCK_M``: smallest MMA tile (rows) a decode program uses, e.g. 64 to
+  pad a 16-row block to one 64-row wgmma tile (tuning sweeps).
 - ``JAX_MLA_TRITON_CTAS_PER_SM``: persistent decode programs per multiprocessor (default: what
   the tile's registers and shared memory allow, ``_GPU_TILES`` in ``backends/triton.py``;
   tuning sweeps).
+- ``JAX_MLA_TRITON_WG_SPLIT=0``: compile the 64-row decode tile as Triton lays it out (both
+  warpgroups compute the whole score tile) instead of splitting its columns between them
+  (``backends/triton_ttgir.py``; default on, CUDA only; for A/B measurements).
 - ``TRITON_INTERPRET``: Triton's own switch; on CPU jax_mla sets it to 1 if triton is not yet
   imported (see ``backends/triton_launch.py``).
 """
@@ -51,4 +56,13 @@ def triton_ctas_per_sm() -> int | None:
 
 def triton_max_rows() -> int | None:
     v = os.environ.get("JAX_MLA_TRITON_MAX_ROWS")
+    return int(v) if v else None
+
+
+def triton_wg_split() -> bool:
+    return os.environ.get("JAX_MLA_TRITON_WG_SPLIT", "1") != "0"
+
+
+def triton_min_block_m() -> int | None:
+    v = os.environ.get("JAX_MLA_TRITON_MIN_BLOCK_M")
     return int(v) if v else None

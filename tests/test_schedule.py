@@ -110,8 +110,8 @@ def test_plan_extremes(programs):
 
 @pytest.mark.parametrize("heads,qlen,want", [
     (16, 1, (16, 1, 16, 32, 4, 2)),    # one 16-row mma.sync block, 2 programs / SM
-    (16, 2, (8, 2, 16, 32, 4, 2)),     # 32 rows: two 16-row blocks sharing the KV through L2
-    (32, 1, (16, 2, 16, 32, 4, 2)),
+    (16, 2, (16, 1, 64, 64, 8, 1)),    # 32 rows: one 64-row wgmma tile, half padding
+    (32, 1, (32, 1, 64, 64, 8, 1)),
     (16, 4, (16, 1, 64, 64, 8, 1)),    # 64 rows: one wgmma block, 1 program / SM
     (128, 1, (64, 2, 64, 64, 8, 1)),
     (16, 3, (16, 1, 64, 64, 8, 1)),
@@ -124,6 +124,14 @@ def test_gpu_kernel_config(heads, qlen, want):
     got = (c.heads_per_block, c.num_head_blocks, c.block_m, c.block_n, c.num_warps,
            c.ctas_per_sm)
     assert got == want
+    assert c.wg_split == (c.block_m == 64)
+
+
+def test_rocm_splits_32_rows_into_two_16_row_blocks():
+    from jax_mla.backends.triton import kernel_config
+
+    c = kernel_config(16, 2, 64, "rocm")  # no wgmma: two 16-row blocks sharing the KV via L2
+    assert (c.heads_per_block, c.num_head_blocks, c.block_m, c.wg_split) == (8, 2, 16, False)
 
 
 def test_gpu_kernel_config_env_overrides(monkeypatch):

@@ -16,7 +16,13 @@ import jax.numpy as jnp
 from jax_mla.backends import current_platform
 from jax_mla.backends.triton_launch import GPU_PLATFORMS, triton_call, triton_importable
 from jax_mla.cache import is_fp8
-from jax_mla.config import triton_ctas_per_sm, triton_decode_overrides, triton_max_rows
+from jax_mla.config import (
+    triton_ctas_per_sm,
+    triton_decode_overrides,
+    triton_max_rows,
+    triton_min_block_m,
+    triton_wg_split,
+)
 from jax_mla.schedule import SplitSchedule, plan_splits
 
 _LOG2E = 1.4426950408889634
@@ -34,8 +40,13 @@ _MAX_ROWS = 64
 #     In one run at 128 heads 819 us against 953 us for block_n 32 / 3 stages (no spills) and
 #     1118 us for block_n 32 / 2 stages; block_n 16 was 1.45-1.66x slower. (128-head times
 #     vary ~20 % from run to run on this GPU: compare within one run.)
-# A 32-row block is neither MMA shape: it is split into two 16-row blocks that share each KV tile
-# through L2 (Q=2 at 16 heads: 200 us against 265-307 us as one block).
+#     Since 2026-12-03 its score tile is split between the two warpgroups on CUDA (wg_split,
+#     triton_ttgir.py): no spills, 225 KB, 17-29 % faster; block_n 32 (3-4 stages) and 16 warps
+#     stayed slower (benchmarks/results/2026-12-03-h200-wgsplit/).
+# A 32-row block is neither MMA shape. As one 32-row mma.sync block it was slowest (Q=2 at 16
+# heads: 265-307 us); two 16-row blocks that share each KV tile through L2 took 200 us, and on
+# CUDA one 64-row wgmma tile, half padding, with its score columns split between warpgroups
+# (triton_ttgir.py) is faster again (211 against 237 us in one 2026-12-03 tune run).
 _GPU_TILES = {
     16: {"block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
     64: {"block_n": 64, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},
@@ -55,20 +66,27 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int = 1
+    wg_split: bool = False  # score tile split across warpgroups (triton_ttgir.py)
 
 
 def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> KernelConfig:
     """Tile shape for ``H`` heads x ``Q`` tokens (see ``_GPU_TILES``; env overrides in config)."""
     max_rows = triton_max_rows() or _MAX_ROWS
+    min_block_m = triton_min_block_m() or 16
     gpu = platform in GPU_PLATFORMS
     if gpu and not triton_max_rows() and 16 < qlen * num_heads <= 32 and qlen <= 16:
-        max_rows = 16  # two 16-row blocks, not one 32-row block (see _GPU_TILES)
+        # Neither MMA shape (see _GPU_TILES). CUDA: one 64-row wgmma tile, half of it padding;
+        # elsewhere two 16-row blocks that share each KV tile through L2.
+        if platform == "cuda":
+            min_block_m = max(min_block_m, 64)
+        elif min_block_m <= 16:
+            max_rows = 16
     if qlen * num_heads <= max_rows:
         hb = num_heads
     else:
         hb = max(1, max_rows // qlen)
     nhb = -(-num_heads // hb)
-    block_m = max(16, _next_pow2(qlen * hb))
+    block_m = max(min_block_m, _next_pow2(qlen * hb))
     if not gpu:
         # Interpreter: small tiles keep CI fast and exercise several tiles per work.
         return KernelConfig(hb, nhb, block_m, 16, 1, 1, triton_ctas_per_sm() or 1)
@@ -76,6 +94,9 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> K
     tile.update(triton_decode_overrides())
     if triton_ctas_per_sm():
         tile["ctas_per_sm"] = triton_ctas_per_sm()
+    # wgmma (Hopper, CUDA): two warpgroups over 64 rows would both compute the score tile.
+    tile["wg_split"] = (platform == "cuda" and block_m == 64 and tile["num_warps"] in (8, 16)
+                        and triton_wg_split())
     return KernelConfig(hb, nhb, block_m, **tile)
 
 
@@ -145,14 +166,75 @@ class TritonBackend:
                         jax.ShapeDtypeStruct((prow, h, lr), f32),
                         jax.ShapeDtypeStruct((prow, h), f32)],
             platform=platform, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            QK_SCALE=float(scale * _LOG2E), H=h, MAX_PAGES=md.max_pages, Q=md.qlen,
-            HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks,
-            BLOCK_M=cfg.block_m, L=lr, R=rd, BLOCK_L=_next_pow2(lr), BLOCK_R=_next_pow2(rd),
-            BLOCK_N=cfg.block_n, PAGE_SIZE=md.page_size,
-            TILE_IN_PAGE=md.page_size % cfg.block_n == 0, HAS_KV_SCALE=has_scale,
-            UPCAST=upcast, IEEE=(not upcast) and jnp.dtype(q.dtype) == jnp.float32,
+            **decode_constexprs(cfg, num_heads=h, qlen=md.qlen, page_size=md.page_size,
+                                max_pages=md.max_pages, kv_lora_rank=lr, rope_dim=rd,
+                                scale=scale, has_kv_scale=has_scale, upcast=upcast,
+                                ieee=(not upcast) and jnp.dtype(q.dtype) == jnp.float32),
         )
         return reduce_partials(part_out, part_lse, sched, out, lse, platform=platform)
+
+
+def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
+                      rope_dim, scale, has_kv_scale=False, upcast=False, ieee=False) -> dict:
+    """The decode kernel's compile-time arguments for tile ``cfg`` and one problem."""
+    return dict(
+        QK_SCALE=float(scale * _LOG2E), H=num_heads, MAX_PAGES=max_pages, Q=qlen,
+        HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks, BLOCK_M=cfg.block_m,
+        L=kv_lora_rank, R=rope_dim, BLOCK_L=_next_pow2(kv_lora_rank),
+        BLOCK_R=_next_pow2(rope_dim), BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
+        TILE_IN_PAGE=page_size % cfg.block_n == 0, HAS_KV_SCALE=has_kv_scale, UPCAST=upcast,
+        IEEE=ieee, WG_SPLIT=cfg.wg_split)
+
+
+def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_split: bool,
+                   kv_lora_rank: int = 512, rope_dim: int = 64, arch: int = 90) -> dict:
+    """Compile the bf16 decode kernel for ``sm_<arch>`` as jax-triton would (no GPU needed).
+
+    The tile is the CUDA one for ``num_heads`` x ``qlen`` with ``wg_split`` forced; with it the
+    TTGIR goes through ``triton_ttgir.split_broadcast_wgmma`` and is compiled from the rewritten
+    text. Returns ``{"shared": bytes, "rewrites": int, "wgmma": {shape: count in the PTX},
+    "ttgir": str, "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
+    """
+    import collections
+    import os
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jax_mla.backends.triton_launch import interpreter_enabled
+    from jax_mla.backends.triton_ttgir import split_broadcast_wgmma
+
+    if interpreter_enabled():
+        raise RuntimeError("compile_report needs TRITON_INTERPRET unset before triton is imported")
+    cfg = dataclasses.replace(kernel_config(num_heads, qlen, page_size, "cuda"),
+                              wg_split=wg_split)
+    names = ("q_ptr", "kv_ptr", "bt_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_ptr",
+             "kv_scale_ptr", "out_ptr", "lse_ptr", "part_out_ptr", "part_lse_ptr")
+    types = ["*bf16", "*bf16"] + ["*i32"] * 4 + ["*fp32", "*bf16"] + ["*fp32"] * 3
+    consts = decode_constexprs(cfg, num_heads=num_heads, qlen=qlen, page_size=page_size,
+                               max_pages=64, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                               scale=1 / 192 ** 0.5)
+    sig = dict(zip(names, types)) | dict.fromkeys(consts, "constexpr")
+    src = ASTSource(fn=_kernels().mla_decode_kernel, signature=sig, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
+    target = GPUTarget("cuda", arch, 32)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    cc = triton.compile(src, target=target, options=options)
+    rewrites = 0
+    if wg_split:
+        text, rewrites = split_broadcast_wgmma(cc.asm["ttgir"])
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "mla_decode_kernel.ttgir")
+            with open(path, "w") as f:
+                f.write(text)
+            cc = triton.compile(path, target=target, options=options)
+    wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)",
+                                           cc.asm["ptx"]))
+    return dict(shared=cc.metadata.shared, rewrites=rewrites, wgmma=dict(wgmma),
+                ttgir=cc.asm["ttgir"], ptx=cc.asm["ptx"], config=cfg)
 
 
 def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platform):

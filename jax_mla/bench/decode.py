@@ -142,14 +142,15 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) 
 def tune(plan, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
     """Kernel-only time of the Triton backend per tile config (env overrides) and shape.
 
-    ``plan`` is a list of ``(Shape, [(block_n, num_warps, num_stages, ctas_per_sm[, max_rows]),
-    ...])``.
+    ``plan`` is a list of ``(Shape, [(block_n, num_warps, num_stages, ctas_per_sm[, max_rows
+    [, wg_split[, min_block_m]]]), ...])``; a ``None`` leaves that knob at its default.
     """
     import os
 
     impl = resolve_backend("triton", current_platform())
     names = ("JAX_MLA_TRITON_BLOCK_N", "JAX_MLA_TRITON_WARPS", "JAX_MLA_TRITON_STAGES",
-             "JAX_MLA_TRITON_CTAS_PER_SM", "JAX_MLA_TRITON_MAX_ROWS")
+             "JAX_MLA_TRITON_CTAS_PER_SM", "JAX_MLA_TRITON_MAX_ROWS", "JAX_MLA_TRITON_WG_SPLIT",
+             "JAX_MLA_TRITON_MIN_BLOCK_M")
     rows = []
     for shape, configs in plan:
         q, cache, table, lens = make_inputs(shape, rng)
@@ -159,11 +160,13 @@ def tune(plan, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
         ref = jax_mla.mla_attention(q, cache, ref_md, scale=scale, backend="xla")
         ref = np.asarray(ref.astype(jnp.float32))
         for cfg in configs:
-            env = dict(zip(names, cfg))
-            os.environ.update({k: str(v) for k, v in env.items()})
+            env = {k: v for k, v in zip(names, cfg) if v is not None}
+            os.environ.update({k: str(int(v)) for k, v in env.items()})
             row = {"shape": shape.name, "block_n": cfg[0], "num_warps": cfg[1],
                    "num_stages": cfg[2], "ctas_per_sm": cfg[3] if len(cfg) > 3 else None,
-                   "max_rows": cfg[4] if len(cfg) > 4 else None}
+                   "max_rows": cfg[4] if len(cfg) > 4 else None,
+                   "wg_split": cfg[5] if len(cfg) > 5 else None,
+                   "min_block_m": cfg[6] if len(cfg) > 6 else None}
             try:
                 md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
                                                    qlen=shape.qlen, num_heads=shape.heads,

@@ -207,8 +207,10 @@ def mla_decode_kernel(
     HB: tl.constexpr, NUM_HB: tl.constexpr, BLOCK_M: tl.constexpr, L: tl.constexpr,
     R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, WG_SPLIT: tl.constexpr = False,
 ):
+    # WG_SPLIT is read by the compiler wrapper, not here: on CUDA it splits the score tile's
+    # columns between the two warpgroups of a 64-row, 8-warp program (backends/triton_ttgir.py).
     pid = tl.program_id(0)
     p = pid // NUM_HB
     hb = pid % NUM_HB

@@ -1,0 +1,158 @@
+"""The TTGIR warpgroup split (backends/triton_ttgir.py): the text rewrite, when it applies, and
+the real decode kernel compiled with it for sm_90 on CPU (no GPU needed).
+
+The split is what halves the 64-row decode tile's score MMAs on Hopper; its numerics are checked
+on the GPU by the conformance suite (``test_triton_64_row_tiles_bf16``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_mla.backends.triton import kernel_config
+from jax_mla.backends.triton_ttgir import split_broadcast_wgmma
+
+HEADER = """\
+#mma = #ttg.nvidia_mma<{{versionMajor = 3, versionMinor = 0, warpsPerCTA = [{w}, 1], \
+instrShape = [16, {n}, 16]}}>
+#mma1 = #ttg.nvidia_mma<{{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 2], \
+instrShape = [16, 256, 16]}}>
+module {{
+  %s = ttng.warp_group_dot %a, %b, %c : !ttg.memdesc<{rows}x512xbf16> * \
+!ttg.memdesc<512x{cols}xbf16> -> tensor<{rows}x{cols}xf32, #mma>
+  %m = tt.reduce %s : tensor<{rows}x{cols}xf32, #mma> -> \
+tensor<{rows}xf32, #ttg.slice<{{dim = 1, parent = #mma}}>>
+  %k = tt.make_range : tensor<1x{cols}xi32, #mma>
+  %x = ttg.convert_layout %y : tensor<{rows}x1xf32, #mma> -> tensor<{rows}x1xf32, #mma1>
+  %o = ttng.warp_group_dot %p, %v, %acc : tensor<{rows}x{cols}xbf16> * !ttg.memdesc<> -> \
+tensor<{rows}x512xf32, #mma1>
+}}
+"""
+
+
+def _mma_line(text: str, alias: str = "#mma") -> str:
+    return next(ln for ln in text.splitlines() if ln.startswith(alias + " ="))
+
+
+@pytest.mark.parametrize("cols, n, want_n", [(64, 32, 32), (32, 32, 16), (128, 64, 64),
+                                             (48, 16, 8)])
+def test_broadcast_layout_is_split_by_columns(cols, n, want_n):
+    text = HEADER.format(w=8, n=n, rows=64, cols=cols)
+    new, count = split_broadcast_wgmma(text)
+    assert count == 1
+    assert _mma_line(new) == (
+        "#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 2], "
+        f"instrShape = [16, {want_n}, 16]}}>")
+    assert _mma_line(new, "#mma1") == _mma_line(text, "#mma1")  # the P @ V layout is untouched
+    # Only the definition changed; every use refers to the alias.
+    assert [a for a in new.splitlines()[1:]] == [a for a in text.splitlines()[1:]]
+    again, count2 = split_broadcast_wgmma(new)
+    assert count2 == 0 and again == new
+
+
+@pytest.mark.parametrize("w, rows, extra", [
+    (4, 64, ""),       # one warpgroup: nothing is broadcast
+    (8, 128, ""),      # two warpgroups over 128 rows: no broadcast either
+    (8, 64, "%q = ttg.convert_layout %z : tensor<64x512xbf16, #blk> -> tensor<64x512xbf16, "
+            "#ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>>\n"),  # register operand
+])
+def test_other_layouts_are_left_alone(w, rows, extra):
+    text = HEADER.format(w=w, n=32, rows=rows, cols=64) + extra
+    new, count = split_broadcast_wgmma(text)
+    assert count == 0 and new == text
+
+
+def test_columns_too_narrow_to_split_are_left_alone():
+    text = HEADER.format(w=8, n=8, rows=64, cols=8)
+    assert split_broadcast_wgmma(text) == (text, 0)
+
+
+def test_split_is_chosen_for_cuda_64_row_tiles_only(monkeypatch):
+    monkeypatch.delenv("JAX_MLA_TRITON_WG_SPLIT", raising=False)
+    assert kernel_config(128, 1, 64, "cuda").wg_split  # 64 heads a block, 8 warps
+    assert kernel_config(16, 4, 1, "cuda").wg_split  # verify: 4 tokens x 16 heads
+    assert not kernel_config(16, 1, 64, "cuda").wg_split  # 16 rows: mma.sync, 4 warps
+    assert not kernel_config(128, 1, 64, "rocm").wg_split  # no wgmma on AMD
+    assert not kernel_config(128, 1, 64, "cpu").wg_split
+    monkeypatch.setenv("JAX_MLA_TRITON_WG_SPLIT", "0")
+    assert not kernel_config(128, 1, 64, "cuda").wg_split
+
+
+SCRIPT = r"""
+import glob, json, os, subprocess, tempfile
+import triton
+from jax_mla.backends.triton import compile_report
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ptxas = sorted(glob.glob(os.path.join(bindir, "ptxas*")))
+
+def spills(ptx):
+    for exe in ptxas[::-1]:  # one new enough for this PTX
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "k.ptx")
+            open(p, "w").write(ptx)
+            r = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", p, "-o", p + ".cubin"],
+                               capture_output=True, text=True)
+        if r.returncode == 0:
+            return sum(int(w) for line in r.stderr.splitlines() if "spill" in line
+                       for w, nxt in zip(line.split(), line.split()[1:])
+                       if nxt == "bytes" and w.isdigit())
+    return None
+
+out = {}
+for name, h, q, page, split in [("h128_base", 128, 1, 64, False), ("h128_split", 128, 1, 64, True),
+                                ("q4_page1_split", 16, 4, 1, True)]:
+    r = compile_report(h, q, page, wg_split=split)
+    out[name] = dict(shared=r["shared"], rewrites=r["rewrites"], wgmma=r["wgmma"],
+                     spills=spills(r["ptx"]), block_m=r["config"].block_m,
+                     warps=r["config"].num_warps)
+print(json.dumps(out))
+"""
+
+
+def _has_cuda_backend() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    return os.path.isdir(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"))
+
+
+@pytest.mark.skipif(not _has_cuda_backend(), reason="triton without its NVIDIA backend")
+def test_decode_kernel_compiles_split_for_sm90():
+    """The real kernel: the rewrite applies once, halves the score MMAs, and still fits."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    base, split = r["h128_base"], r["h128_split"]
+    assert base["block_m"] == 64 and base["warps"] == 8
+    assert base["rewrites"] == 0 and split["rewrites"] == 1 and r["q4_page1_split"]["rewrites"] == 1
+    # Q @ K^T: 576 / 16 = 36 k-steps of n32 per 32 score columns, in the unmasked and the masked
+    # loop. Unsplit, each warpgroup runs both column halves (144); split, one each (72).
+    assert base["wgmma"]["m64n32k16"] == 2 * split["wgmma"]["m64n32k16"] == 144
+    assert base["wgmma"]["m64n256k16"] == split["wgmma"]["m64n256k16"]  # P @ V unchanged
+    assert r["q4_page1_split"]["wgmma"] == split["wgmma"]
+    for name in ("h128_split", "q4_page1_split"):
+        assert r[name]["shared"] <= 227 * 1024, r[name]
+    # Half the score registers: never more spills than the unsplit tile (triton 3.6, the GPU's:
+    # 48 -> 0 bytes; triton 3.9: 588 -> 344).
+    if base["spills"] is not None:
+        assert split["spills"] <= base["spills"], r
+
+
+def test_32_row_blocks_are_one_padded_wgmma_tile_on_cuda(monkeypatch):
+    monkeypatch.delenv("JAX_MLA_TRITON_WG_SPLIT", raising=False)
+    one = kernel_config(16, 2, 64, "cuda")  # Q=2 x 16 heads: 32 rows in a 64-row tile
+    assert (one.block_m, one.num_head_blocks, one.heads_per_block) == (64, 1, 16)
+    assert one.wg_split and one.num_warps == 8
+    monkeypatch.setenv("JAX_MLA_TRITON_MAX_ROWS", "16")  # the former default, for A/B runs
+    two = kernel_config(16, 2, 64, "cuda")
+    assert (two.block_m, two.num_head_blocks, two.wg_split) == (16, 2, False)
