@@ -156,3 +156,16 @@ def test_32_row_blocks_are_one_padded_wgmma_tile_on_cuda(monkeypatch):
     monkeypatch.setenv("JAX_MLA_TRITON_MAX_ROWS", "16")  # the former default, for A/B runs
     two = kernel_config(16, 2, 64, "cuda")
     assert (two.block_m, two.num_head_blocks, two.wg_split) == (16, 2, False)
+
+
+@pytest.mark.parametrize("cc, want", [("9.0", True), ("8.0", False), ("10.0", False)])
+def test_only_hopper_gets_the_wgmma_defaults(monkeypatch, cc, want):
+    import types
+
+    import jax
+
+    from jax_mla.backends import triton as tb
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability=cc)])
+    assert tb._hopper.__wrapped__("cuda") is want
+    assert tb._hopper.__wrapped__("rocm") is False

@@ -8,6 +8,7 @@ for this shape (``build_decode_metadata(..., num_heads=H)``), else it is planned
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -69,15 +70,28 @@ class KernelConfig:
     wg_split: bool = False  # score tile split across warpgroups (triton_ttgir.py)
 
 
+@functools.cache
+def _hopper(platform: str) -> bool:
+    """Whether ``platform`` is a CUDA GPU with wgmma (sm_90); assumed so when none is attached
+    (ahead-of-time compile checks on CPU)."""
+    if platform != "cuda":
+        return False
+    try:
+        cc = getattr(jax.devices("cuda")[0], "compute_capability", "9.0")
+    except (RuntimeError, ValueError):  # no CUDA backend in this process
+        return True
+    return str(cc).split(".")[0] == "9"
+
+
 def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> KernelConfig:
     """Tile shape for ``H`` heads x ``Q`` tokens (see ``_GPU_TILES``; env overrides in config)."""
     max_rows = triton_max_rows() or _MAX_ROWS
     min_block_m = triton_min_block_m() or 16
     gpu = platform in GPU_PLATFORMS
     if gpu and not triton_max_rows() and 16 < qlen * num_heads <= 32 and qlen <= 16:
-        # Neither MMA shape (see _GPU_TILES). CUDA: one 64-row wgmma tile, half of it padding;
+        # Neither MMA shape (see _GPU_TILES). Hopper: one 64-row wgmma tile, half of it padding;
         # elsewhere two 16-row blocks that share each KV tile through L2.
-        if platform == "cuda":
+        if _hopper(platform):
             min_block_m = max(min_block_m, 64)
         elif min_block_m <= 16:
             max_rows = 16
@@ -95,7 +109,7 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> K
     if triton_ctas_per_sm():
         tile["ctas_per_sm"] = triton_ctas_per_sm()
     # wgmma (Hopper, CUDA): two warpgroups over 64 rows would both compute the score tile.
-    tile["wg_split"] = (platform == "cuda" and block_m == 64 and tile["num_warps"] in (8, 16)
+    tile["wg_split"] = (_hopper(platform) and block_m == 64 and tile["num_warps"] in (8, 16)
                         and triton_wg_split())
     return KernelConfig(hb, nhb, block_m, **tile)
 

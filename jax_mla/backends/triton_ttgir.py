@@ -18,7 +18,7 @@ there). Every op of TTGIR is lowered for any distributed layout, so the module s
 rewritten text is parsed back and compiled as usual.
 
 It is applied only to kernels launched with the constexpr ``WG_SPLIT=True`` (the decode kernel at
-64 rows and 8 warps on CUDA; see ``backends/triton.py``), through a wrapper around jax-triton's
+64 rows and 8 warps on Hopper; see ``backends/triton.py``), through a wrapper around jax-triton's
 kernel compile (``install``). If the rewrite finds nothing to do, or the result does not parse,
 the kernel is compiled unchanged.
 """
