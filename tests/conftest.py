@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
 import os
+import subprocess
 import sys
 import zlib
 
@@ -16,6 +19,26 @@ SEED = int(os.environ.get("JAX_MLA_TEST_SEED", np.random.SeedSequence().entropy 
 
 def pytest_report_header(config):
     return f"jax_mla test seed: JAX_MLA_TEST_SEED={SEED}"
+
+
+def has_triton_cuda_backend() -> bool:
+    """Whether triton's NVIDIA backend is installed (ahead-of-time compiles need no GPU)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    return os.path.isdir(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"))
+
+
+def run_compiler_script(script: str, timeout: int) -> dict:
+    """Run ``script`` in a subprocess without TRITON_INTERPRET (this process has it set, and
+    triton reads it once) and return the JSON object its last line prints."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture

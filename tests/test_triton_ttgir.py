@@ -7,16 +7,12 @@ on the GPU by the conformance suite (``test_triton_64_row_tiles_bf16``).
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from jax_mla.backends.triton import kernel_config
 from jax_mla.backends.triton_ttgir import split_broadcast_wgmma
+
+from conftest import has_triton_cuda_backend, run_compiler_script
 
 HEADER = """\
 #mma = #ttg.nvidia_mma<{{versionMajor = 3, versionMinor = 0, warpsPerCTA = [{w}, 1], \
@@ -85,53 +81,24 @@ def test_split_is_chosen_for_cuda_64_row_tiles_only(monkeypatch):
 
 
 SCRIPT = r"""
-import glob, json, os, subprocess, tempfile
-import triton
+import json
 from jax_mla.backends.triton import compile_report
-bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-ptxas = sorted(glob.glob(os.path.join(bindir, "ptxas*")))
-
-def spills(ptx):
-    for exe in ptxas[::-1]:  # one new enough for this PTX
-        with tempfile.TemporaryDirectory() as d:
-            p = os.path.join(d, "k.ptx")
-            open(p, "w").write(ptx)
-            r = subprocess.run([exe, "-v", "--gpu-name", "sm_90a", p, "-o", p + ".cubin"],
-                               capture_output=True, text=True)
-        if r.returncode == 0:
-            return sum(int(w) for line in r.stderr.splitlines() if "spill" in line
-                       for w, nxt in zip(line.split(), line.split()[1:])
-                       if nxt == "bytes" and w.isdigit())
-    return None
-
+from jax_mla.backends.triton_launch import ptxas_spills
 out = {}
 for name, h, q, page, split in [("h128_base", 128, 1, 64, False), ("h128_split", 128, 1, 64, True),
                                 ("q4_page1_split", 16, 4, 1, True)]:
     r = compile_report(h, q, page, wg_split=split)
     out[name] = dict(shared=r["shared"], rewrites=r["rewrites"], wgmma=r["wgmma"],
-                     spills=spills(r["ptx"]), block_m=r["config"].block_m,
+                     spills=ptxas_spills(r["ptx"]), block_m=r["config"].block_m,
                      warps=r["config"].num_warps)
 print(json.dumps(out))
 """
 
 
-def _has_cuda_backend() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-
-    return os.path.isdir(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia"))
-
-
-@pytest.mark.skipif(not _has_cuda_backend(), reason="triton without its NVIDIA backend")
+@pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
 def test_decode_kernel_compiles_split_for_sm90():
     """The real kernel: the rewrite applies once, halves the score MMAs, and still fits."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    r = run_compiler_script(SCRIPT, timeout=600)
     base, split = r["h128_base"], r["h128_split"]
     assert base["block_m"] == 64 and base["warps"] == 8
     assert base["rewrites"] == 0 and split["rewrites"] == 1 and r["q4_page1_split"]["rewrites"] == 1

@@ -102,6 +102,33 @@ def _interpret_call(kernel, args, grid, out_shapes, aliases, constexprs):
     return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
 
+def ptxas_spills(ptx: str, arch: str = "sm_90a") -> int | None:
+    """Bytes of register spill stores and loads ptxas reports for ``ptx`` (no GPU needed).
+
+    Uses the ptxas that ships inside triton's NVIDIA backend, the newest one that accepts this PTX
+    (triton 3.9 ships two); ``None`` when none of them can.
+    """
+    import glob
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for exe in sorted(glob.glob(os.path.join(bindir, "ptxas*")))[::-1]:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            res = subprocess.run([exe, "-v", "--gpu-name", arch, path, "-o", path + ".cubin"],
+                                 capture_output=True, text=True)
+        if res.returncode == 0:
+            return sum(int(w) for line in res.stderr.splitlines() if "spill" in line
+                       for w, nxt in zip(line.split(), line.split()[1:])
+                       if nxt == "bytes" and w.isdigit())
+    return None
+
+
 def _to_torch(buf):
     import torch
 
