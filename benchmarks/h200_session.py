@@ -190,7 +190,8 @@ def _wg_split_plan(d):
 
 def _wg16_plan(d):
     """Four warpgroups on the 64-row tile (score columns split four ways, 64 accumulator
-    registers a thread; ptxas: 128 registers, 100-200 bytes spilled) against two."""
+    registers a thread; ptxas: 128 registers, 100-200 bytes spilled) against two; and Q=2 at 16
+    heads as one padded 64-row tile against the two 16-row blocks of the time."""
     s = d.Shape
     cfgs = [(64, 8, 2, 1, None, 1), (64, 16, 2, 1, None, 1), (32, 16, 3, 1, None, 1)]
     # Q=2 at 16 heads: two 16-row blocks (the default) or one 64-row tile half padding.
@@ -204,9 +205,8 @@ def stage_wg16():
 
 
 def _final_ab_plan(d):
-    """The defaults against the alternatives, with the bench's 20 ms timer: 32-row blocks as one
-    padded 64-row tile (default on CUDA) or two 16-row blocks (max_rows 16); Q=4 on 8 or 16
-    warps."""
+    """The defaults against the alternatives: 32-row blocks as one padded 64-row tile (default
+    on Hopper) or two 16-row blocks (max_rows 16); Q=4 on 8 or 16 warps."""
     s = d.Shape
     pad_or_two = [(None, None, None, None), (None, None, None, None, 16)]
     return [(s(64, 16, 4096, qlen=2), pad_or_two), (s(128, 32, 4096), pad_or_two),

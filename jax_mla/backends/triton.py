@@ -41,12 +41,12 @@ _MAX_ROWS = 64
 #     In one run at 128 heads 819 us against 953 us for block_n 32 / 3 stages (no spills) and
 #     1118 us for block_n 32 / 2 stages; block_n 16 was 1.45-1.66x slower. (128-head times
 #     vary ~20 % from run to run on this GPU: compare within one run.)
-#     Since 2026-12-03 its score tile is split between the two warpgroups on CUDA (wg_split,
+#     Since 2026-12-03 its score tile is split between the two warpgroups on Hopper (wg_split,
 #     triton_ttgir.py): no spills, 225 KB, 17-29 % faster; block_n 32 (3-4 stages) and 16 warps
 #     stayed slower (benchmarks/results/2026-12-03-h200-wgsplit/).
 # A 32-row block is neither MMA shape. As one 32-row mma.sync block it was slowest (Q=2 at 16
 # heads: 265-307 us); two 16-row blocks that share each KV tile through L2 took 200 us, and on
-# CUDA one 64-row wgmma tile, half padding, with its score columns split between warpgroups
+# Hopper one 64-row wgmma tile, half padding, with its score columns split between warpgroups
 # (triton_ttgir.py) is faster again (211 against 237 us in one 2026-12-03 tune run).
 _GPU_TILES = {
     16: {"block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
@@ -204,7 +204,7 @@ def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_spl
                    kv_lora_rank: int = 512, rope_dim: int = 64, arch: int = 90) -> dict:
     """Compile the bf16 decode kernel for ``sm_<arch>`` as jax-triton would (no GPU needed).
 
-    The tile is the CUDA one for ``num_heads`` x ``qlen`` with ``wg_split`` forced; with it the
+    The tile is the Hopper one for ``num_heads`` x ``qlen`` with ``wg_split`` forced; with it the
     TTGIR goes through ``triton_ttgir.split_broadcast_wgmma`` and is compiled from the rewritten
     text. Returns ``{"shared": bytes, "rewrites": int, "wgmma": {shape: count in the PTX},
     "ttgir": str, "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
