@@ -51,6 +51,11 @@ def stage_tests_triton():
     _pytest("conformance_triton", ["tests/test_conformance.py", "-k", "triton"], 300)
 
 
+def stage_tests_sm90():
+    """The conformance cases that run the 64-row tile (the Gluon kernel on Hopper)."""
+    _pytest("conformance_64row", ["tests/test_conformance.py", "-k", "64_row"], 240)
+
+
 def stage_aiter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     try:
@@ -89,6 +94,7 @@ def _tune(plan_fn, name):
     for r in rows:
         log(r["shape"], r["block_n"], r["num_warps"], r["num_stages"], r["ctas_per_sm"],
             r["max_rows"], "wg_split", r.get("wg_split"), "min_block_m", r.get("min_block_m"),
+            "sm90", r.get("sm90"),
             f"{r.get('us', float('nan')):.1f}us", f"{r.get('kv_TBps', float('nan')):.2f}TB/s",
             f"{r.get('TFLOPs', float('nan')):.0f}TF", f"err {r.get('rel_err_vs_xla', -1):.1e}",
             r.get("error", ""))
@@ -215,6 +221,57 @@ def _final_ab_plan(d):
 
 def stage_final_ab():
     _tune(_final_ab_plan, "tune_final_ab")
+
+
+def stage_sm90_smoke():
+    """The Gluon sm_90 kernel on a few small shapes against XLA (out and LSE), tracebacks kept."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_mla
+    from jax_mla.bench.decode import DEEPSEEK_SCALE, Shape, make_inputs
+
+    rng = np.random.default_rng(1)
+    for shape in [Shape(3, 128, 700), Shape(4, 16, 1000, qlen=4, page=1),
+                  Shape(5, 16, 900, qlen=2, page=16), Shape(2, 64, 3000, varlen=True),
+                  Shape(3, 32, 333)]:
+        try:
+            q, cache, table, lens = make_inputs(shape, rng)
+            res = {}
+            for be in ("xla", "triton"):
+                md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
+                                                   qlen=shape.qlen, num_heads=shape.heads,
+                                                   backend=be)
+                o, lse = jax.jit(lambda q, c, m, be=be: jax_mla.mla_attention(
+                    q, c, m, scale=DEEPSEEK_SCALE, backend=be, return_lse=True))(q, cache, md)
+                res[be] = (np.asarray(o.astype(jnp.float32)), np.asarray(lse))
+            (o0, l0), (o1, l1) = res["xla"], res["triton"]
+            err = np.linalg.norm(o1 - o0) / np.linalg.norm(o0)
+            fin = np.isfinite(l0)
+            lerr = float(np.max(np.abs(l1[fin] - l0[fin]))) if fin.any() else 0.0
+            log("sm90 smoke", shape.name, f"rel err {err:.2e}", f"lse max abs {lerr:.2e}",
+                "inf rows match", bool(np.array_equal(np.isfinite(l1), fin)),
+                "nan", bool(np.isnan(o1).any()))
+        except Exception:  # noqa: BLE001
+            import traceback
+
+            log("sm90 smoke FAILED", shape.name, traceback.format_exc()[-3000:])
+
+
+def _sm90_plan(d):
+    """The Gluon sm_90 kernel (sm90 1, the default) against the Triton 64-row tile (sm90 0)."""
+    s = d.Shape
+    ab = [(None,) * 7 + (1,), (None,) * 7 + (0,)]
+    return [(s(128, 128, 4096), ab), (s(128, 128, 8192), ab), (s(8, 128, 32768), ab),
+            (s(128, 128, 4096, page=1), ab), (s(128, 64, 4096), ab), (s(128, 32, 4096), ab),
+            (s(64, 16, 4096, qlen=2), ab), (s(64, 16, 4096, qlen=3), ab),
+            (s(64, 16, 4096, qlen=4), ab), (s(64, 16, 4096), ab[:1])]
+
+
+def stage_sm90():
+    _tune(_sm90_plan, "tune_sm90")
+
 
 
 def stage_wg_split():

@@ -14,6 +14,9 @@
 - ``JAX_MLA_TRITON_WG_SPLIT=0``: compile the 64-row decode tile as Triton lays it out (both
   warpgroups compute the whole score tile) instead of splitting its columns between them
   (``backends/triton_ttgir.py``; default on, CUDA only; for A/B measurements).
+- ``JAX_MLA_TRITON_SM90_KERNEL=0``: serve 64-row decode tiles on Hopper with the Triton kernel
+  instead of the Gluon two-warpgroup kernel (``kernels/gluon/decode_sm90.py``; default on; for
+  A/B measurements and as an escape hatch).
 - ``TRITON_INTERPRET``: Triton's own switch; on CPU jax_mla sets it to 1 if triton is not yet
   imported (see ``backends/triton_launch.py``).
 """
@@ -66,3 +69,7 @@ def triton_wg_split() -> bool:
 def triton_min_block_m() -> int | None:
     v = os.environ.get("JAX_MLA_TRITON_MIN_BLOCK_M")
     return int(v) if v else None
+
+
+def triton_sm90_kernel() -> bool:
+    return os.environ.get("JAX_MLA_TRITON_SM90_KERNEL", "1") != "0"

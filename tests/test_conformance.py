@@ -197,20 +197,51 @@ def test_triton_many_splits_per_request(rng, monkeypatch):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
+@pytest.mark.parametrize("sm90", [True, False], ids=["gluon", "triton"])
 @pytest.mark.parametrize("num_heads, qlen, page_size",
                          [(128, 1, 64), (16, 4, 1), (12, 3, 16), (16, 2, 16)])
-def test_triton_64_row_tiles_bf16(rng, num_heads, qlen, page_size):
+def test_triton_64_row_tiles_bf16(rng, monkeypatch, num_heads, qlen, page_size, sm90):
     """DeepSeek geometry in bf16 through the 64-row tile: 128 heads, verify blocks of 16 x 4 and
-    12 x 3 rows, and 16 x 2 rows padded to 64 on Hopper. On Hopper this is the tile compiled with
-    its score columns split between the two warpgroups (backends/triton_ttgir.py), so this is its
-    numerical check."""
+    12 x 3 rows, and 16 x 2 rows padded to 64 on Hopper. On Hopper that tile is the Gluon
+    two-warpgroup kernel (kernels/gluon/decode_sm90.py), or with ``sm90`` off the Triton tile
+    with its score columns split between the warpgroups (backends/triton_ttgir.py); elsewhere
+    both ids run the Triton kernel."""
     from jax_mla.backends.triton import _hopper, kernel_config
 
+    monkeypatch.setenv("JAX_MLA_TRITON_SM90_KERNEL", "1" if sm90 else "0")
+    jax.clear_caches()  # the tile is chosen when mla_attention is traced
     platform = jax.devices()[0].platform
     cfg = kernel_config(num_heads, qlen, page_size, platform)
     if _hopper(platform):
-        assert cfg.block_m == 64 and cfg.wg_split and cfg.num_warps == 8
+        assert cfg.block_m == 64 and cfg.sm90 == sm90
+        assert sm90 or (cfg.wg_split and cfg.num_warps == 8)
     case = make_case(rng, seq_lens=[150, 0, qlen - 1, 64, 77], qlen=qlen, num_heads=num_heads,
                      page_size=page_size)
+    out, lse, wo, wl = run(case, "triton", jnp.bfloat16)
+    check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+    jax.clear_caches()
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
+@pytest.mark.parametrize("num_heads, qlen, page_size", [(128, 1, 64), (16, 4, 16), (32, 1, 1)])
+def test_triton_64_row_tiles_long_ragged_bf16(rng, num_heads, qlen, page_size):
+    """Long, ragged requests in bf16: on a GPU, KV ranges split over many programs, programs
+    with several works, works with odd numbers of 64-token tiles (the Gluon kernel takes them in
+    pairs), requests shorter than the verify block and empty ones. Shorter on CPU (interpreter).
+    """
+    from jax_mla.backends.triton import _hopper, kernel_config, plan
+
+    platform = jax.devices()[0].platform
+    gpu = platform in ("cuda", "rocm")
+    lens = [20011, 0, qlen - 1, 12345, 777, 64, 129, 3000] if gpu else [300, 0, qlen - 1, 65, 129]
+    case = make_case(rng, seq_lens=lens, qlen=qlen, num_heads=num_heads, page_size=page_size)
+    if _hopper(platform):
+        assert kernel_config(num_heads, qlen, page_size, platform).sm90
+    if gpu:
+        md = jax_mla.build_decode_metadata(case.block_table, case.seq_lens,
+                                           page_size=page_size, qlen=qlen)
+        sched = plan(md, num_heads, platform)
+        assert np.diff(np.asarray(sched.reduce_indptr)).max() >= 4  # requests split 4+ ways
+        assert np.diff(np.asarray(sched.work_indptr)).max() >= 2  # programs with 2+ works
     out, lse, wo, wl = run(case, "triton", jnp.bfloat16)
     check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)

@@ -110,21 +110,47 @@ def test_plan_extremes(programs):
 
 @pytest.mark.parametrize("heads,qlen,want", [
     (16, 1, (16, 1, 16, 32, 4, 2)),    # one 16-row mma.sync block, 2 programs / SM
-    (16, 2, (16, 1, 64, 64, 8, 1)),    # 32 rows: one 64-row wgmma tile, half padding
-    (32, 1, (32, 1, 64, 64, 8, 1)),
-    (16, 4, (16, 1, 64, 64, 8, 1)),    # 64 rows: one wgmma block, 1 program / SM
-    (128, 1, (64, 2, 64, 64, 8, 1)),
-    (16, 3, (16, 1, 64, 64, 8, 1)),
+    (16, 2, (16, 1, 64, 128, 4, 1)),   # 32 rows: one 64-row tile (Gluon kernel), half padding
+    (32, 1, (32, 1, 64, 128, 4, 1)),
+    (16, 4, (16, 1, 64, 128, 4, 1)),   # 64 rows: the Gluon kernel, pairs of 64-token tiles
+    (128, 1, (64, 2, 64, 128, 4, 1)),
+    (16, 3, (16, 1, 64, 128, 4, 1)),
     (1, 1, (1, 1, 16, 32, 4, 2)),
 ])
 def test_gpu_kernel_config(heads, qlen, want):
-    from jax_mla.backends.triton import kernel_config
+    """Hopper defaults: 64-row tiles go to the Gluon two-warpgroup kernel (4 warps compiled, a
+    4-warp worker partition added), scheduled in 128-token pairs; or, where the Gluon kernel
+    cannot serve the call, to the Triton 64-row tile with its score columns split."""
+    from jax_mla.backends.triton import _gluon_available, kernel_config
 
+    if not _gluon_available():
+        pytest.skip("this triton has no Gluon with the sm_90 kernel's API")
     c = kernel_config(heads, qlen, 64, "cuda")
     got = (c.heads_per_block, c.num_head_blocks, c.block_m, c.block_n, c.num_warps,
            c.ctas_per_sm)
     assert got == want
-    assert c.wg_split == (c.block_m == 64)
+    assert c.sm90 == (c.block_m == 64) and not c.wg_split
+    t = kernel_config(heads, qlen, 64, "cuda", sm90=False)
+    assert (t.block_m, t.sm90, t.wg_split) == (c.block_m, False, c.block_m == 64)
+    if t.block_m == 64:
+        assert (t.block_n, t.num_warps, t.num_stages) == (64, 8, 2)
+
+
+def test_sm90_kernel_knob_and_rules(monkeypatch):
+    import jax.numpy as jnp
+
+    from jax_mla.backends.triton import kernel_config, sm90_supported
+
+    monkeypatch.setenv("JAX_MLA_TRITON_SM90_KERNEL", "0")
+    assert not kernel_config(128, 1, 64, "cuda").sm90
+    monkeypatch.delenv("JAX_MLA_TRITON_SM90_KERNEL")
+    assert not kernel_config(128, 1, 64, "rocm").sm90
+    bf, f16 = jnp.bfloat16, jnp.float16
+    assert sm90_supported(bf, bf, 512, 64, False) and sm90_supported(f16, f16, 512, 64, False)
+    assert not sm90_supported(jnp.float32, jnp.float32, 512, 64, False)  # exact fp32 path
+    assert not sm90_supported(bf, jnp.float8_e4m3fn, 512, 64, True)  # fp8 cache, kv scale
+    assert not sm90_supported(bf, bf, 256, 64, False)  # not DeepSeek geometry
+    assert not sm90_supported(bf, bf, 512, 64, True)
 
 
 def test_rocm_splits_32_rows_into_two_16_row_blocks():
@@ -142,6 +168,10 @@ def test_gpu_kernel_config_env_overrides(monkeypatch):
     monkeypatch.setenv("JAX_MLA_TRITON_MAX_ROWS", "32")
     c = kernel_config(16, 2, 64, "cuda")
     assert (c.heads_per_block, c.block_m, c.block_n, c.ctas_per_sm) == (16, 32, 16, 3)
+    # Tile overrides are for the Triton kernel: with them the Gluon kernel stands aside.
+    monkeypatch.delenv("JAX_MLA_TRITON_MAX_ROWS")
+    c = kernel_config(128, 1, 64, "cuda")
+    assert (c.block_m, c.block_n, c.sm90) == (64, 16, False)
 
 
 @pytest.mark.parametrize("qlen", [1, 2])

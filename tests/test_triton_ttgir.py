@@ -71,13 +71,14 @@ def test_columns_too_narrow_to_split_are_left_alone():
 
 def test_split_is_chosen_for_cuda_64_row_tiles_only(monkeypatch):
     monkeypatch.delenv("JAX_MLA_TRITON_WG_SPLIT", raising=False)
-    assert kernel_config(128, 1, 64, "cuda").wg_split  # 64 heads a block, 8 warps
-    assert kernel_config(16, 4, 1, "cuda").wg_split  # verify: 4 tokens x 16 heads
+    # The Triton kernel's tiles (the Gluon kernel, sm90, serves 64-row tiles where it can).
+    assert kernel_config(128, 1, 64, "cuda", sm90=False).wg_split  # 64 heads a block, 8 warps
+    assert kernel_config(16, 4, 1, "cuda", sm90=False).wg_split  # verify: 4 tokens x 16 heads
     assert not kernel_config(16, 1, 64, "cuda").wg_split  # 16 rows: mma.sync, 4 warps
     assert not kernel_config(128, 1, 64, "rocm").wg_split  # no wgmma on AMD
     assert not kernel_config(128, 1, 64, "cpu").wg_split
     monkeypatch.setenv("JAX_MLA_TRITON_WG_SPLIT", "0")
-    assert not kernel_config(128, 1, 64, "cuda").wg_split
+    assert not kernel_config(128, 1, 64, "cuda", sm90=False).wg_split
 
 
 SCRIPT = r"""
@@ -117,11 +118,11 @@ def test_decode_kernel_compiles_split_for_sm90():
 
 def test_32_row_blocks_are_one_padded_wgmma_tile_on_cuda(monkeypatch):
     monkeypatch.delenv("JAX_MLA_TRITON_WG_SPLIT", raising=False)
-    one = kernel_config(16, 2, 64, "cuda")  # Q=2 x 16 heads: 32 rows in a 64-row tile
+    one = kernel_config(16, 2, 64, "cuda", sm90=False)  # Q=2 x 16 heads: 32 rows in 64
     assert (one.block_m, one.num_head_blocks, one.heads_per_block) == (64, 1, 16)
     assert one.wg_split and one.num_warps == 8
     monkeypatch.setenv("JAX_MLA_TRITON_MAX_ROWS", "16")  # the former default, for A/B runs
-    two = kernel_config(16, 2, 64, "cuda")
+    two = kernel_config(16, 2, 64, "cuda", sm90=False)
     assert (two.block_m, two.num_head_blocks, two.wg_split) == (16, 2, False)
 
 

@@ -22,6 +22,7 @@ from jax_mla.config import (
     triton_decode_overrides,
     triton_max_rows,
     triton_min_block_m,
+    triton_sm90_kernel,
     triton_wg_split,
 )
 from jax_mla.schedule import SplitSchedule, plan_splits
@@ -68,6 +69,7 @@ class KernelConfig:
     num_stages: int
     ctas_per_sm: int = 1
     wg_split: bool = False  # score tile split across warpgroups (triton_ttgir.py)
+    sm90: bool = False  # the Gluon two-warpgroup kernel (kernels/gluon/decode_sm90.py)
 
 
 @functools.cache
@@ -83,8 +85,18 @@ def _hopper(platform: str) -> bool:
     return str(cc).split(".")[0] == "9"
 
 
-def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> KernelConfig:
-    """Tile shape for ``H`` heads x ``Q`` tokens (see ``_GPU_TILES``; env overrides in config)."""
+# The Gluon kernel for Hopper: 4 warps compile the default partition (warpgroup 0), the worker
+# partition adds 4 more; the schedule hands it KV ranges in pairs of 64-token tiles.
+_SM90_TILE = {"block_n": 128, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1, "sm90": True}
+
+
+def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str, *,
+                  sm90: bool = True) -> KernelConfig:
+    """Tile shape for ``H`` heads x ``Q`` tokens (see ``_GPU_TILES``; env overrides in config).
+
+    ``sm90``: whether the Gluon kernel may serve 64-row tiles on Hopper (``decode`` passes False
+    for what it cannot serve: other dtypes or geometries, see :func:`sm90_supported`).
+    """
     max_rows = triton_max_rows() or _MAX_ROWS
     min_block_m = triton_min_block_m() or 16
     gpu = platform in GPU_PLATFORMS
@@ -104,6 +116,9 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> K
     if not gpu:
         # Interpreter: small tiles keep CI fast and exercise several tiles per work.
         return KernelConfig(hb, nhb, block_m, 16, 1, 1, triton_ctas_per_sm() or 1)
+    if (sm90 and block_m == 64 and _hopper(platform) and triton_sm90_kernel()
+            and not triton_decode_overrides() and _gluon_available()):
+        return KernelConfig(hb, nhb, block_m, **_SM90_TILE)
     tile = dict(_GPU_TILES[16 if block_m <= 16 else 64])
     tile.update(triton_decode_overrides())
     if triton_ctas_per_sm():
@@ -112,6 +127,28 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, platform: str) -> K
     tile["wg_split"] = (_hopper(platform) and block_m == 64 and tile["num_warps"] in (8, 16)
                         and triton_wg_split())
     return KernelConfig(hb, nhb, block_m, **tile)
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    """Whether this triton has the Gluon pieces the sm_90 kernel uses (triton 3.6's API)."""
+    try:
+        import inspect
+
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    params = list(inspect.signature(gl.warp_specialize).parameters)
+    return params[:3] == ["functions_and_args", "worker_num_warps", "worker_num_regs"]
+
+
+def sm90_supported(q_dtype, kv_dtype, kv_lora_rank: int, rope_dim: int, has_kv_scale: bool) -> bool:
+    """What the Gluon sm_90 kernel serves: 16-bit Q and cache of one dtype, DeepSeek geometry."""
+    return (jnp.dtype(q_dtype) == jnp.dtype(kv_dtype)
+            and jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and (kv_lora_rank, rope_dim) == (512, 64) and not has_kv_scale)
 
 
 def num_sms(platform: str) -> int:
@@ -127,7 +164,11 @@ def num_programs(cfg: KernelConfig, platform: str) -> int:
 
 def plan(metadata, num_heads: int, platform: str) -> SplitSchedule:
     """The split schedule this backend would use for ``metadata`` and ``num_heads``."""
-    cfg = kernel_config(num_heads, metadata.qlen, metadata.page_size, platform)
+    return _plan(metadata, kernel_config(num_heads, metadata.qlen, metadata.page_size, platform),
+                 platform)
+
+
+def _plan(metadata, cfg: KernelConfig, platform: str) -> SplitSchedule:
     return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, qlen=metadata.qlen,
                        block_n=cfg.block_n, num_programs=num_programs(cfg, platform),
                        num_head_blocks=cfg.num_head_blocks)
@@ -155,6 +196,8 @@ class TritonBackend:
         lr = kv_lora_rank
         rd = d - lr
         cfg = kernel_config(h, md.qlen, md.page_size, platform)
+        if cfg.sm90 and not sm90_supported(q.dtype, kv_cache.dtype, lr, rd, kv_scale is not None):
+            cfg = kernel_config(h, md.qlen, md.page_size, platform, sm90=False)
         if is_fp8(q.dtype):  # dequantise once here; the kernel multiplies in bf16
             q = (q.astype(jnp.float32) * jnp.asarray(q_scale, jnp.float32)).astype(jnp.bfloat16)
         out_dtype = q.dtype
@@ -162,7 +205,7 @@ class TritonBackend:
         if not (isinstance(sched, SplitSchedule) and sched.block_n == cfg.block_n
                 and sched.num_head_blocks == cfg.num_head_blocks and sched.qlen == md.qlen
                 and sched.num_programs == num_programs(cfg, platform)):
-            sched = plan(md, h, platform)
+            sched = _plan(md, cfg, platform)
         kv = kv_cache.reshape(-1, d)
         has_scale = kv_scale is not None
         kv_scale_arr = jnp.asarray(1.0 if kv_scale is None else kv_scale, jnp.float32).reshape(1)
@@ -170,8 +213,19 @@ class TritonBackend:
         upcast = interp
         prow = sched.max_works * md.qlen
         f32 = jnp.float32
+        if cfg.sm90:
+            kernel = _sm90_kernels().mla_decode_sm90_kernel
+            consts = sm90_constexprs(cfg, num_heads=h, qlen=md.qlen, page_size=md.page_size,
+                                     max_pages=md.max_pages, kv_lora_rank=lr, rope_dim=rd,
+                                     scale=scale)
+        else:
+            kernel = _kernels().mla_decode_kernel
+            consts = decode_constexprs(cfg, num_heads=h, qlen=md.qlen, page_size=md.page_size,
+                                       max_pages=md.max_pages, kv_lora_rank=lr, rope_dim=rd,
+                                       scale=scale, has_kv_scale=has_scale, upcast=upcast,
+                                       ieee=(not upcast) and jnp.dtype(q.dtype) == jnp.float32)
         out, lse, part_out, part_lse = triton_call(
-            _kernels().mla_decode_kernel,
+            kernel,
             q, kv, md.block_table, md.paged_kv_indptr, sched.work_indptr, sched.work_info_set,
             kv_scale_arr,
             grid=(sched.num_programs * cfg.num_head_blocks,),
@@ -179,11 +233,7 @@ class TritonBackend:
                         jax.ShapeDtypeStruct((t_rows, h), f32),
                         jax.ShapeDtypeStruct((prow, h, lr), f32),
                         jax.ShapeDtypeStruct((prow, h), f32)],
-            platform=platform, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **decode_constexprs(cfg, num_heads=h, qlen=md.qlen, page_size=md.page_size,
-                                max_pages=md.max_pages, kv_lora_rank=lr, rope_dim=rd,
-                                scale=scale, has_kv_scale=has_scale, upcast=upcast,
-                                ieee=(not upcast) and jnp.dtype(q.dtype) == jnp.float32),
+            platform=platform, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
         )
         return reduce_partials(part_out, part_lse, sched, out, lse, platform=platform)
 
@@ -198,6 +248,15 @@ def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_page
         BLOCK_R=_next_pow2(rope_dim), BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
         TILE_IN_PAGE=page_size % cfg.block_n == 0, HAS_KV_SCALE=has_kv_scale, UPCAST=upcast,
         IEEE=ieee, WG_SPLIT=cfg.wg_split)
+
+
+def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
+                    rope_dim, scale) -> dict:
+    """The Gluon sm_90 kernel's compile-time arguments."""
+    return dict(
+        QK_SCALE=float(scale * _LOG2E), H=num_heads, MAX_PAGES=max_pages, Q=qlen,
+        HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks, L=kv_lora_rank, R=rope_dim,
+        PAGE_SIZE=page_size, TILE_IN_PAGE=page_size % 64 == 0)
 
 
 def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_split: bool,
@@ -223,7 +282,7 @@ def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_spl
 
     if interpreter_enabled():
         raise RuntimeError("compile_report needs TRITON_INTERPRET unset before triton is imported")
-    cfg = dataclasses.replace(kernel_config(num_heads, qlen, page_size, "cuda"),
+    cfg = dataclasses.replace(kernel_config(num_heads, qlen, page_size, "cuda", sm90=False),
                               wg_split=wg_split)
     names = ("q_ptr", "kv_ptr", "bt_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_ptr",
              "kv_scale_ptr", "out_ptr", "lse_ptr", "part_out_ptr", "part_lse_ptr")
@@ -249,6 +308,44 @@ def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_spl
                                            cc.asm["ptx"]))
     return dict(shared=cc.metadata.shared, rewrites=rewrites, wgmma=dict(wgmma),
                 ttgir=cc.asm["ttgir"], ptx=cc.asm["ptx"], config=cfg)
+
+
+def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
+                        arch: int = 90) -> dict:
+    """Compile the bf16 Gluon sm_90 decode kernel as the backend would (no GPU needed).
+
+    Returns ``{"shared": bytes, "num_warps": total warps, "wgmma": {shape: count in the PTX},
+    "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
+    """
+    import collections
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from jax_mla.backends.triton_launch import interpreter_enabled
+
+    if interpreter_enabled():
+        raise RuntimeError("sm90_compile_report needs TRITON_INTERPRET unset")
+    cfg = kernel_config(num_heads, qlen, page_size, "cuda")
+    if not cfg.sm90:
+        raise ValueError(f"{num_heads} heads x Q={qlen} is not served by the sm_90 kernel")
+    names = ("q_ptr", "kv_ptr", "bt_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_ptr",
+             "kv_scale_ptr", "out_ptr", "lse_ptr", "part_out_ptr", "part_lse_ptr")
+    types = ["*bf16", "*bf16"] + ["*i32"] * 4 + ["*fp32", "*bf16"] + ["*fp32"] * 3
+    consts = sm90_constexprs(cfg, num_heads=num_heads, qlen=qlen, page_size=page_size,
+                             max_pages=64, kv_lora_rank=512, rope_dim=64, scale=1 / 192 ** 0.5)
+    sig = dict(zip(names, types)) | dict.fromkeys(consts, "constexpr")
+    src = GluonASTSource(fn=_sm90_kernels().mla_decode_sm90_kernel, signature=sig,
+                         constexprs=consts,
+                         attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
+    cc = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                        options=dict(num_warps=cfg.num_warps))
+    wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)",
+                                           cc.asm["ptx"]))
+    return dict(shared=cc.metadata.shared, num_warps=cc.metadata.num_warps, wgmma=dict(wgmma),
+                ptx=cc.asm["ptx"], config=cfg)
 
 
 def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platform):
@@ -280,6 +377,12 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
         OFF64=part_out.size >= 2**31,
     )
     return out, lse
+
+
+def _sm90_kernels():
+    from jax_mla.kernels.gluon import decode_sm90
+
+    return decode_sm90
 
 
 def _kernels():

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +113,78 @@ def _with_rewrite(backend):
     return backend
 
 
+class _Proxy:
+    """A module seen through a few replaced attributes."""
+
+    def __init__(self, module, **overrides):
+        self._module = module
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def is_gluon(fn) -> bool:
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+    except ImportError:
+        return False
+    return isinstance(fn, GluonJITFunction)
+
+
+_GLUON_LOCK = threading.Lock()
+
+
+def _compile_gluon(compile_kernel, backend_init_func, platform, fn, *args, **kwargs):
+    """jax-triton's compile for a ``@gluon.jit`` kernel (jax-triton 0.3 knows only ``@triton.jit``).
+
+    The same specialization, cache and launch object; three steps differ. The source is a
+    ``GluonASTSource`` (its IR is already TTGIR-level), the TTIR passes are skipped and
+    ``gluon_to_ttgir`` replaces ``make_ttgir``, and the launch gets the kernel's *total* warps
+    (a warp-specialized kernel has more than the ``num_warps`` it was compiled with).
+    """
+    from jax_triton import triton_lib
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    seen = {}
+
+    def init(device, compute_capability):
+        backend = backend_init_func(device, compute_capability)
+        make_llir = backend.make_llir
+
+        def llir(mod, metadata, options, capability):
+            out = make_llir(mod, metadata, options, capability)
+            seen["num_warps"] = metadata.get("num_warps")
+            return out
+
+        backend.make_ttir = lambda mod, metadata, options, capability: mod
+        backend.make_ttgir = backend.gluon_to_ttgir
+        backend.make_llir = llir
+        seen["target"] = backend.target
+        return backend
+
+    def ast_to_ttir(fn, src, options, codegen_fns, context, module_map):
+        return src.make_ir(seen["target"], options, codegen_fns, module_map, context)
+
+    saved = (triton_lib.tc, triton_lib.code_gen, triton_lib.triton_kernel_call_lib)
+
+    def kernel(name, num_warps, *rest):
+        return saved[2].TritonKernel(name, seen.get("num_warps") or num_warps, *rest)
+
+    with _GLUON_LOCK:
+        triton_lib.tc = _Proxy(saved[0], ASTSource=GluonASTSource)
+        triton_lib.code_gen = _Proxy(saved[1], ast_to_ttir=ast_to_ttir)
+        triton_lib.triton_kernel_call_lib = _Proxy(saved[2], TritonKernel=kernel)
+        try:
+            return compile_kernel(init, platform, fn, *args, **kwargs)
+        finally:
+            triton_lib.tc, triton_lib.code_gen, triton_lib.triton_kernel_call_lib = saved
+
+
 @functools.cache
 def install() -> None:
-    """Wrap jax-triton's kernel compile so that ``WG_SPLIT=True`` kernels get the rewrite.
+    """Wrap jax-triton's kernel compile: ``WG_SPLIT=True`` kernels get the rewrite, and
+    ``@gluon.jit`` kernels (``kernels/gluon/``) compile through :func:`_compile_gluon`.
 
     ``WG_SPLIT`` is a constexpr of the kernel, so it is part of jax-triton's compile cache key:
     the same kernel with and without the rewrite are two cached binaries.
@@ -124,6 +194,9 @@ def install() -> None:
     compile_kernel = triton_lib.get_or_create_triton_kernel
 
     def get_or_create(backend_init_func, platform, fn, *args, metaparams, **kwargs):
+        if is_gluon(fn):
+            return _compile_gluon(compile_kernel, backend_init_func, platform, fn, *args,
+                                  metaparams=metaparams, **kwargs)
         if platform == "cuda" and metaparams.get("WG_SPLIT"):
             init = backend_init_func
 

@@ -143,14 +143,15 @@ def tune(plan, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
     """Kernel-only time of the Triton backend per tile config (env overrides) and shape.
 
     ``plan`` is a list of ``(Shape, [(block_n, num_warps, num_stages, ctas_per_sm[, max_rows
-    [, wg_split[, min_block_m]]]), ...])``; a ``None`` leaves that knob at its default.
+    [, wg_split[, min_block_m[, sm90]]]]), ...])``; a ``None`` leaves that knob at its default
+    (``sm90``: the Gluon kernel for 64-row tiles on Hopper).
     """
     import os
 
     impl = resolve_backend("triton", current_platform())
     names = ("JAX_MLA_TRITON_BLOCK_N", "JAX_MLA_TRITON_WARPS", "JAX_MLA_TRITON_STAGES",
              "JAX_MLA_TRITON_CTAS_PER_SM", "JAX_MLA_TRITON_MAX_ROWS", "JAX_MLA_TRITON_WG_SPLIT",
-             "JAX_MLA_TRITON_MIN_BLOCK_M")
+             "JAX_MLA_TRITON_MIN_BLOCK_M", "JAX_MLA_TRITON_SM90_KERNEL")
     rows = []
     for shape, configs in plan:
         q, cache, table, lens = make_inputs(shape, rng)
@@ -166,7 +167,8 @@ def tune(plan, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
                    "num_stages": cfg[2], "ctas_per_sm": cfg[3] if len(cfg) > 3 else None,
                    "max_rows": cfg[4] if len(cfg) > 4 else None,
                    "wg_split": cfg[5] if len(cfg) > 5 else None,
-                   "min_block_m": cfg[6] if len(cfg) > 6 else None}
+                   "min_block_m": cfg[6] if len(cfg) > 6 else None,
+                   "sm90": cfg[7] if len(cfg) > 7 else None}
             try:
                 md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
                                                    qlen=shape.qlen, num_heads=shape.heads,

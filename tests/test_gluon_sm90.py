@@ -1,0 +1,107 @@
+"""The Gluon sm_90 decode kernel (kernels/gluon/decode_sm90.py) without a GPU.
+
+Its numerics are checked on the H200 by the conformance suite (``test_triton_64_row_tiles_*``);
+here: it compiles for sm_90 to the shape of the design, and jax-triton's compile is bridged to it.
+"""
+
+import sys
+import types
+
+import pytest
+
+from conftest import has_triton_cuda_backend, run_compiler_script
+
+SCRIPT = r"""
+import json
+from jax_mla.backends.triton import sm90_compile_report
+from jax_mla.backends.triton_launch import ptxas_spills
+out = {}
+for name, h, q, page in [("h128", 128, 1, 64), ("q4_page1", 16, 4, 1), ("q2_page16", 16, 2, 16)]:
+    r = sm90_compile_report(h, q, page)
+    out[name] = dict(shared=r["shared"], num_warps=r["num_warps"], wgmma=r["wgmma"],
+                     spills=ptxas_spills(r["ptx"]), setmaxnreg=r["ptx"].count("setmaxnreg"),
+                     block_n=r["config"].block_n)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
+def test_sm90_kernel_compiles_to_its_design():
+    from jax_mla.backends.triton import _gluon_available
+
+    if not _gluon_available():
+        pytest.skip("this triton's Gluon lacks the sm_90 kernel's API")
+    r = run_compiler_script(SCRIPT, timeout=600)
+    for name, k in r.items():
+        # Two warpgroups: 4 compiled warps plus a 4-warp worker partition, registers rebalanced.
+        assert k["num_warps"] == 8 and k["setmaxnreg"] > 0, (name, k)
+        # Q (72 KB) and two 64-token KV tiles (72 KB each) and the exchange buffers fit.
+        assert 216 * 1024 < k["shared"] <= 227 * 1024, (name, k)
+        # Each warpgroup: Q @ K^T of its own tile, n = 64 (576 / 16 = 36 k-steps), and P @ V for
+        # both tiles of a pair on its 256 columns (64 / 16 = 4 k-steps each).
+        assert k["wgmma"] == {"m64n64k16": 2 * 36, "m64n256k16": 2 * 2 * 4}, (name, k)
+        assert k["block_n"] == 128  # the schedule hands out pairs of tiles
+        if k["spills"] is not None:
+            assert k["spills"] == 0, (name, k)
+
+
+def test_jax_triton_bridge_compiles_gluon_kernels_and_restores(monkeypatch):
+    """``_compile_gluon`` on a stand-in of jax-triton's ``triton_lib`` (jax-triton cannot be
+    imported without a GPU jaxlib): the Gluon source class, the Gluon IR entry, the stage swap
+    and the launch's total warps are what reach the compile, and the module is restored."""
+    from jax_mla.backends import triton_ttgir
+
+    calls = {}
+
+    class Backend:
+        target = "sm90-target"
+
+        def make_ttir(self, mod, md, opt, cap):
+            raise AssertionError("TTIR passes must be skipped for Gluon")
+
+        def make_ttgir(self, mod, md, opt, cap):
+            raise AssertionError("make_ttgir must be replaced by gluon_to_ttgir")
+
+        def gluon_to_ttgir(self, mod, md, opt, cap):
+            calls["gluon_to_ttgir"] = mod
+            return mod + ":ttgir"
+
+        def make_llir(self, mod, md, opt, cap):
+            md["num_warps"] = 8  # what triton writes for a warp-specialized kernel
+            return mod + ":llir"
+
+    class Src:
+        def __init__(self, fn, constexprs=None, signature=None, attrs=None):
+            self.fn = fn
+
+        def make_ir(self, target, options, codegen_fns, module_map, context):
+            calls["make_ir"] = target
+            return "ir"
+
+    tc = types.SimpleNamespace(ASTSource="triton-ASTSource")
+    code_gen = types.SimpleNamespace(ast_to_ttir=None)
+    kcl = types.SimpleNamespace(TritonKernel=lambda *a: ("kernel",) + a)
+
+    def get_or_create(backend_init_func, platform, fn, *, num_warps, metaparams):
+        be = backend_init_func(0, 90)
+        src = lib.tc.ASTSource(fn, constexprs={}, signature={}, attrs={})
+        mod = lib.code_gen.ast_to_ttir(fn, src, options=None, codegen_fns=None, context=None,
+                                       module_map=None)
+        md = {}
+        mod = be.make_ttgir(be.make_ttir(mod, md, None, 90), md, None, 90)
+        be.make_llir(mod, md, None, 90)
+        return lib.triton_kernel_call_lib.TritonKernel("k", num_warps, 0), "attrs"
+
+    lib = types.SimpleNamespace(tc=tc, code_gen=code_gen, triton_kernel_call_lib=kcl)
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_lib=lib))
+    gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+    monkeypatch.setattr(gluon_runtime, "GluonASTSource", Src)
+    kernel, attrs = triton_ttgir._compile_gluon(get_or_create, lambda d, c: Backend(), "cuda",
+                                                "fn", num_warps=4, metaparams={})
+    assert kernel == ("kernel", "k", 8, 0) and attrs == "attrs"
+    assert calls == {"make_ir": "sm90-target", "gluon_to_ttgir": "ir"}
+    assert (lib.tc, lib.code_gen, lib.triton_kernel_call_lib) == (tc, code_gen, kcl)
+    with pytest.raises(RuntimeError):
+        triton_ttgir._compile_gluon(lambda *a, **k: (_ for _ in ()).throw(RuntimeError()),
+                                    None, "cuda", "fn", metaparams={})
+    assert (lib.tc, lib.code_gen, lib.triton_kernel_call_lib) == (tc, code_gen, kcl)
