@@ -396,7 +396,6 @@ def mla_decode_sm90_kernel(
     w0 = gl.load(work_indptr_ptr + p)
     w1 = gl.load(work_indptr_ptr + p + 1)
     dt: gl.constexpr = kv_ptr.dtype.element_ty
-    LH: gl.constexpr = L // 2
     NV: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     VEC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     sQn = gl.allocate_shared_memory(dt, [1, BLOCK_M, L], NV)
