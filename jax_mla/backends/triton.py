@@ -1,5 +1,9 @@
 """``backend="triton"``: the split-KV Triton kernels of ``kernels/triton/decode.py`` in jit.
 
+On Hopper, 64-row decode tiles go to the Gluon kernel of ``kernels/gluon/decode_sm90.py``
+instead (same schedule, same partials, same reduce), where it serves the call's dtypes and
+geometry (:func:`sm90_supported`).
+
 On CUDA/ROCm the kernels become native XLA custom calls through jax-triton; on CPU they run
 under Triton's interpreter (CI). The split schedule comes from the metadata when it was planned
 for this shape (``build_decode_metadata(..., num_heads=H)``), else it is planned here, in jnp.

@@ -1,4 +1,6 @@
-"""One TTGIR rewrite for the 64-row decode tile on Hopper: score tiles split across warpgroups.
+"""Hooks in jax-triton's kernel compile: a TTGIR rewrite for the Triton 64-row decode tile on
+Hopper (score tiles split across warpgroups), and the route by which ``@gluon.jit`` kernels
+(``kernels/gluon/``) compile at all (:func:`_compile_gluon`).
 
 The problem. A 64-row decode program has 8 warps (two warpgroups) so that its ``[64, 512]``
 float32 accumulator takes 128 registers a thread, not 256: the ``P @ V`` product gets the layout
