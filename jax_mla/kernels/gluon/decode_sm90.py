@@ -77,6 +77,15 @@ def _opaque(x):
 
 
 @gluon.jit
+def _views(sQn3, sQr3, sKn, sKr, counter):
+    """``Q`` and both KV buffers, as views indexed by an opaque 0 formed here (see ``_opaque``);
+    ``counter`` is any loop-variant integer."""
+    z = _opaque(counter * 0)
+    return (sQn3.index(z), sQr3.index(z), sKn.index(z), sKr.index(z), sKn.index(z + 1),
+            sKr.index(z + 1))
+
+
+@gluon.jit
 def _chunk_rows(bt_row, start, hi, r0: gl.constexpr, PAGE_SIZE: gl.constexpr,
                 TILE_IN_PAGE: gl.constexpr, layout: gl.constexpr):
     """Flat cache rows (int32) of positions ``start + r0 .. + CHUNK``, clamped into the request
@@ -194,13 +203,7 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
         seq = hi + gl.load(wp + 6)
         bt_row = bt_ptr + b.to(gl.int64) * MAX_PAGES
         n_pairs = (hi - lo + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
-        z = _opaque(wi * 0)
-        sQn = sQn3.index(z)
-        sQr = sQr3.index(z)
-        sKn0 = sKn.index(z)
-        sKr0 = sKr.index(z)
-        sKn1 = sKn.index(z + 1)
-        sKr1 = sKr.index(z + 1)
+        sQn, sQr, sKn0, sKr0, sKn1, sKr1 = _views(sQn3, sQr3, sKn, sKr, wi)
         # Q (warpgroup 0), once warpgroup 1 is done with the last work's.
         if ROLE == 0:
             mbarrier.wait(qfree, (wi - 1) & 1, pred=wi > 0)
@@ -237,13 +240,7 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             # The next pair's cache rows, read now so that its copies need not wait for them.
             nrows_a = _tile_rows(bt_row, nxt, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD)
             nrows_b = _tile_rows(bt_row, nxt + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD)
-            z = _opaque(pc * 0)
-            sQn = sQn3.index(z)
-            sQr = sQr3.index(z)
-            sKn0 = sKn.index(z)
-            sKr0 = sKr.index(z)
-            sKn1 = sKn.index(z + 1)
-            sKr1 = sKr.index(z + 1)
+            sQn, sQr, sKn0, sKr0, sKn1, sKr1 = _views(sQn3, sQr3, sKn, sKr, pc)
             if ROLE == 0:
                 sKn_me = sKn0
                 sKr_me = sKr0
