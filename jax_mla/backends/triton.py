@@ -263,6 +263,17 @@ def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages,
         PAGE_SIZE=page_size, TILE_IN_PAGE=page_size % 64 == 0)
 
 
+def _bf16_signature(consts: dict) -> dict:
+    """Signature, constexprs and alignment attributes of a bf16 decode launch (both kernels take
+    the same arrays), for ahead-of-time compiles."""
+    names = ("q_ptr", "kv_ptr", "bt_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_ptr",
+             "kv_scale_ptr", "out_ptr", "lse_ptr", "part_out_ptr", "part_lse_ptr")
+    types = ["*bf16", "*bf16"] + ["*i32"] * 4 + ["*fp32", "*bf16"] + ["*fp32"] * 3
+    return dict(signature=dict(zip(names, types)) | dict.fromkeys(consts, "constexpr"),
+                constexprs=consts,
+                attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
+
+
 def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_split: bool,
                    kv_lora_rank: int = 512, rope_dim: int = 64, arch: int = 90) -> dict:
     """Compile the bf16 decode kernel for ``sm_<arch>`` as jax-triton would (no GPU needed).
@@ -288,15 +299,10 @@ def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_spl
         raise RuntimeError("compile_report needs TRITON_INTERPRET unset before triton is imported")
     cfg = dataclasses.replace(kernel_config(num_heads, qlen, page_size, "cuda", sm90=False),
                               wg_split=wg_split)
-    names = ("q_ptr", "kv_ptr", "bt_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_ptr",
-             "kv_scale_ptr", "out_ptr", "lse_ptr", "part_out_ptr", "part_lse_ptr")
-    types = ["*bf16", "*bf16"] + ["*i32"] * 4 + ["*fp32", "*bf16"] + ["*fp32"] * 3
     consts = decode_constexprs(cfg, num_heads=num_heads, qlen=qlen, page_size=page_size,
                                max_pages=64, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
                                scale=1 / 192 ** 0.5)
-    sig = dict(zip(names, types)) | dict.fromkeys(consts, "constexpr")
-    src = ASTSource(fn=_kernels().mla_decode_kernel, signature=sig, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
+    src = ASTSource(fn=_kernels().mla_decode_kernel, **_bf16_signature(consts))
     target = GPUTarget("cuda", arch, 32)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     cc = triton.compile(src, target=target, options=options)
@@ -335,15 +341,9 @@ def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
     cfg = kernel_config(num_heads, qlen, page_size, "cuda")
     if not cfg.sm90:
         raise ValueError(f"{num_heads} heads x Q={qlen} is not served by the sm_90 kernel")
-    names = ("q_ptr", "kv_ptr", "bt_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_ptr",
-             "kv_scale_ptr", "out_ptr", "lse_ptr", "part_out_ptr", "part_lse_ptr")
-    types = ["*bf16", "*bf16"] + ["*i32"] * 4 + ["*fp32", "*bf16"] + ["*fp32"] * 3
     consts = sm90_constexprs(cfg, num_heads=num_heads, qlen=qlen, page_size=page_size,
                              max_pages=64, kv_lora_rank=512, rope_dim=64, scale=1 / 192 ** 0.5)
-    sig = dict(zip(names, types)) | dict.fromkeys(consts, "constexpr")
-    src = GluonASTSource(fn=_sm90_kernels().mla_decode_sm90_kernel, signature=sig,
-                         constexprs=consts,
-                         attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
+    src = GluonASTSource(fn=_sm90_kernels().mla_decode_sm90_kernel, **_bf16_signature(consts))
     cc = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                         options=dict(num_warps=cfg.num_warps))
     wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)",
