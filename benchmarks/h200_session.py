@@ -260,7 +260,8 @@ def stage_sm90_smoke():
 
 
 def _sm90_plan(d):
-    """The Gluon sm_90 kernel (sm90 1, the default) against the Triton 64-row tile (sm90 0)."""
+    """The Gluon sm_90 kernel (sm90 1, the default) against the Triton 64-row tile (sm90 0); the
+    last row (16 heads, Q=1: a 16-row tile either way) is a control for drift within the run."""
     s = d.Shape
     ab = [(None,) * 7 + (1,), (None,) * 7 + (0,)]
     return [(s(128, 128, 4096), ab), (s(128, 128, 8192), ab), (s(8, 128, 32768), ab),
@@ -271,7 +272,6 @@ def _sm90_plan(d):
 
 def stage_sm90():
     _tune(_sm90_plan, "tune_sm90")
-
 
 
 def stage_wg_split():
