@@ -126,12 +126,14 @@ def _load_part(dst, kv_ptr, rows, start, hi, col0: gl.constexpr, NCOLS: gl.const
         valid = start + i * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LOAD)) < hi
         ptrs = kv_ptr + rows[i].to(gl.int64)[:, None] * D + offs_c[None, :]
         _cp_async(dst.slice(i * CHUNK, CHUNK, dim=0), ptrs,
-                                               mask=valid[:, None] & (offs_c[None, :] >= 0))
+                  mask=valid[:, None] & (offs_c[None, :] >= 0))
 
 
 @gluon.jit
 def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
             L: gl.constexpr, R: gl.constexpr, LOAD: gl.constexpr):
+    """cp.async the work's query rows ``m = t * HB + h`` into ``sQn``/``sQr``; rows past the
+    verify block or the heads read as 0."""
     D: gl.constexpr = L + R
     offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LOAD))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))
@@ -142,12 +144,10 @@ def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB:
         ok = (t < Q) & (head < H)
         qrow = (qo_start + gl.minimum(t, Q - 1)).to(gl.int64) * H + gl.minimum(head, H - 1)
         base = q_ptr + qrow * D
-        _cp_async(
-            sQn.slice(r0, CHUNK, dim=0), base[:, None] + offs_l[None, :],
-            mask=ok[:, None] & (offs_l[None, :] >= 0))
-        _cp_async(
-            sQr.slice(r0, CHUNK, dim=0), base[:, None] + L + offs_r[None, :],
-            mask=ok[:, None] & (offs_r[None, :] >= 0))
+        _cp_async(sQn.slice(r0, CHUNK, dim=0), base[:, None] + offs_l[None, :],
+                  mask=ok[:, None] & (offs_l[None, :] >= 0))
+        _cp_async(sQr.slice(r0, CHUNK, dim=0), base[:, None] + L + offs_r[None, :],
+                  mask=ok[:, None] & (offs_r[None, :] >= 0))
 
 
 @gluon.jit
