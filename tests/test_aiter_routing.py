@@ -423,10 +423,15 @@ def test_segment_merge_masks_unwritten_segments(rng):
     assert np.all(np.isfinite(np.asarray(out))) and np.all(np.isfinite(np.asarray(lse)))
     for i in range(t):
         a = act[i]
-        m = mx[i, :, :a].max(-1)
-        w = np.exp2(mx[i, :, :a] - m[:, None])
-        z = (es[i, :, :a] * w).sum(-1)
-        np.testing.assert_allclose(np.asarray(out)[i], (acc[i, :, :a] * w[..., None]).sum(1)
-                                   / z[:, None], rtol=1e-5)
+        a64, m64, e64 = (x[i, :, :a].astype(np.float64) for x in (acc, mx, es))
+        m = m64.max(-1)
+        w = np.exp2(m64 - m[:, None])
+        z = (e64 * w).sum(-1)
+        want = (a64 * w[..., None]).sum(1) / z[:, None]
+        # A float64 oracle and a norm-relative bound: one output is a sum of signed terms, and an
+        # element near 0 after cancellation has no float32 relative accuracy to speak of (8.9e-5
+        # on 2.1e-4 was seen in CI).
+        got = np.asarray(out)[i]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
         np.testing.assert_allclose(np.asarray(lse)[i], (m + np.log2(z)) * math.log(2),
                                    rtol=1e-5, atol=1e-6)
