@@ -14,13 +14,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Without a GPU, Triton kernels run in the interpreter, which must be chosen before triton is
-# first imported: jax_mla chooses it when it first launches a kernel on CPU, but some tests import
-# triton before that (the sm_90 kernel configs check which Gluon API triton has).
+# first imported. jax_mla chooses it (triton_importable) when it first launches a kernel on CPU;
+# some tests import triton before that (the sm_90 kernel configs check which Gluon API it has).
 if importlib.util.find_spec("jax") is not None:
     import jax
 
+    from jax_mla.backends.triton_launch import triton_importable
+
     if jax.default_backend() == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        triton_importable("cpu")
 
 # Fresh random inputs each run; the seed is printed so a failure can be replayed.
 SEED = int(os.environ.get("JAX_MLA_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))

@@ -242,25 +242,33 @@ class TritonBackend:
         return reduce_partials(part_out, part_lse, sched, out, lse, platform=platform)
 
 
+def _problem_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages,
+                        kv_lora_rank, rope_dim, scale) -> dict:
+    """The compile-time arguments both decode kernels take (the same launch contract)."""
+    return dict(
+        QK_SCALE=float(scale * _LOG2E), H=num_heads, MAX_PAGES=max_pages, Q=qlen,
+        HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks, L=kv_lora_rank, R=rope_dim,
+        PAGE_SIZE=page_size)
+
+
 def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
                       rope_dim, scale, has_kv_scale=False, upcast=False, ieee=False) -> dict:
     """The decode kernel's compile-time arguments for tile ``cfg`` and one problem."""
-    return dict(
-        QK_SCALE=float(scale * _LOG2E), H=num_heads, MAX_PAGES=max_pages, Q=qlen,
-        HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks, BLOCK_M=cfg.block_m,
-        L=kv_lora_rank, R=rope_dim, BLOCK_L=_next_pow2(kv_lora_rank),
-        BLOCK_R=_next_pow2(rope_dim), BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
-        TILE_IN_PAGE=page_size % cfg.block_n == 0, HAS_KV_SCALE=has_kv_scale, UPCAST=upcast,
-        IEEE=ieee, WG_SPLIT=cfg.wg_split)
+    return _problem_constexprs(
+        cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
+        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale) | dict(
+        BLOCK_M=cfg.block_m, BLOCK_L=_next_pow2(kv_lora_rank), BLOCK_R=_next_pow2(rope_dim),
+        BLOCK_N=cfg.block_n, TILE_IN_PAGE=page_size % cfg.block_n == 0,
+        HAS_KV_SCALE=has_kv_scale, UPCAST=upcast, IEEE=ieee, WG_SPLIT=cfg.wg_split)
 
 
 def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
                     rope_dim, scale) -> dict:
-    """The Gluon sm_90 kernel's compile-time arguments."""
-    return dict(
-        QK_SCALE=float(scale * _LOG2E), H=num_heads, MAX_PAGES=max_pages, Q=qlen,
-        HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks, L=kv_lora_rank, R=rope_dim,
-        PAGE_SIZE=page_size, TILE_IN_PAGE=page_size % 64 == 0)
+    """The Gluon sm_90 kernel's compile-time arguments (its tiles are 64 tokens)."""
+    return _problem_constexprs(
+        cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
+        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale) | dict(
+        TILE_IN_PAGE=page_size % 64 == 0)
 
 
 def _bf16_signature(consts: dict) -> dict:

@@ -62,7 +62,7 @@ def triton_call(kernel, *args, grid, out_shapes, platform, input_output_aliases=
 
         from jax_mla.backends import triton_ttgir
 
-        triton_ttgir.install()  # WG_SPLIT kernels: see triton_ttgir.py
+        triton_ttgir.install()  # WG_SPLIT and @gluon.jit kernels: see triton_ttgir.py
 
         outs = jt.triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid,
                               input_output_aliases=aliases, num_warps=num_warps,
