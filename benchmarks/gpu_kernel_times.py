@@ -15,7 +15,8 @@ def shapes():
 
     return [Shape(1, 16, 1024), Shape(1, 128, 1024), Shape(8, 16, 8192), Shape(16, 16, 8192),
             Shape(32, 16, 4096), Shape(64, 16, 8192), Shape(128, 16, 32768),
-            Shape(64, 16, 4096, qlen=2), Shape(64, 16, 4096, qlen=4), Shape(2, 128, 8192),
+            Shape(64, 16, 4096), Shape(64, 16, 4096, qlen=2), Shape(64, 16, 4096, qlen=3),
+            Shape(64, 16, 4096, qlen=4), Shape(2, 128, 8192),
             Shape(8, 128, 32768), Shape(128, 128, 4096)]
 
 

@@ -270,6 +270,27 @@ def _sm90_plan(d):
             (s(64, 16, 4096, qlen=4), ab), (s(64, 16, 4096), ab[:1])]
 
 
+def _tune16_plan(d):
+    """16 heads, Q=1: the 16-row tile at 2 programs per SM (the default) against 1 per SM with
+    64-token tiles (132 programs: at B=128, equal lengths, the plan splits no request)."""
+    s = d.Shape
+    ab = [(32, 4, 3, 2), (64, 4, 3, 1)]
+    return [(s(128, 16, 4096), ab), (s(128, 16, 8192), ab), (s(128, 16, 32768), ab),
+            (s(128, 16, 4096, varlen=True), ab), (s(128, 16, 4096, page=1), ab),
+            (s(256, 16, 4096), ab), (s(64, 16, 4096), ab)]
+
+
+def stage_tune16():
+    _tune(_tune16_plan, "tune16")
+
+
+def stage_l2_ab():
+    """CUPTI times with split partials kept in L2 (evict_last stores, evict_first reads; the
+    default) and without the hints (JAX_MLA_TRITON_L2_HINTS=0)."""
+    _kernel_times("kernel_times")
+    _kernel_times("kernel_times_no_l2_hints", JAX_MLA_TRITON_L2_HINTS="0")
+
+
 def stage_sm90():
     _tune(_sm90_plan, "tune_sm90")
 

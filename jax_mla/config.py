@@ -17,6 +17,8 @@
 - ``JAX_MLA_TRITON_SM90_KERNEL=0``: serve 64-row decode tiles on Hopper with the Triton kernel
   instead of the Gluon two-warpgroup kernel (``kernels/gluon/decode_sm90.py``; default on; for
   A/B measurements and as an escape hatch).
+- ``JAX_MLA_TRITON_L2_HINTS=0``: store split partials with the default L2 policy instead of
+  ``evict_last`` (and read them in the reduce without ``evict_first``); for A/B measurements.
 - ``TRITON_INTERPRET``: Triton's own switch; on CPU jax_mla sets it to 1 if triton is not yet
   imported (see ``backends/triton_launch.py``).
 """
@@ -69,6 +71,10 @@ def triton_wg_split() -> bool:
 def triton_min_block_m() -> int | None:
     v = os.environ.get("JAX_MLA_TRITON_MIN_BLOCK_M")
     return int(v) if v else None
+
+
+def triton_l2_hints() -> bool:
+    return os.environ.get("JAX_MLA_TRITON_L2_HINTS", "1") != "0"
 
 
 def triton_sm90_kernel() -> bool:

@@ -13,14 +13,21 @@ from conftest import has_triton_cuda_backend, run_compiler_script
 
 SCRIPT = r"""
 import json
+import os
+import re
 from jax_mla.backends.triton import sm90_compile_report
 from jax_mla.backends.triton_launch import ptxas_spills
 out = {}
-for name, h, q, page in [("h128", 128, 1, 64), ("q4_page1", 16, 4, 1), ("q2_page16", 16, 2, 16)]:
+for name, h, q, page, hints in [("h128", 128, 1, 64, "1"), ("q4_page1", 16, 4, 1, "1"),
+                                ("q2_page16", 16, 2, 16, "1"),
+                                ("h128_no_l2_hints", 128, 1, 64, "0")]:
+    os.environ["JAX_MLA_TRITON_L2_HINTS"] = hints
     r = sm90_compile_report(h, q, page)
     out[name] = dict(shared=r["shared"], num_warps=r["num_warps"], wgmma=r["wgmma"],
                      spills=ptxas_spills(r["ptx"]), setmaxnreg=r["ptx"].count("setmaxnreg"),
-                     block_n=r["config"].block_n)
+                     block_n=r["config"].block_n,
+                     evict_last_stores=len(re.findall(r"st\.global[^;]*evict_last", r["ptx"])),
+                     stores=len(re.findall(r"st\.global", r["ptx"])))
 print(json.dumps(out))
 """
 
@@ -43,6 +50,11 @@ def test_sm90_kernel_compiles_to_its_design():
         assert k["block_n"] == 128  # the schedule hands out pairs of tiles
         if k["spills"] is not None:
             assert k["spills"] == 0, (name, k)
+    # Split partials are stored evict_last (kept in L2 for the reduce), the final output is not;
+    # JAX_MLA_TRITON_L2_HINTS=0 drops the hint.
+    for name in ("h128", "q4_page1", "q2_page16"):
+        assert 0 < r[name]["evict_last_stores"] < r[name]["stores"], (name, r[name])
+    assert r["h128_no_l2_hints"]["evict_last_stores"] == 0 < r["h128_no_l2_hints"]["stores"]
 
 
 def test_jax_triton_bridge_compiles_gluon_kernels_and_restores(monkeypatch):

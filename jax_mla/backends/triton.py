@@ -24,6 +24,7 @@ from jax_mla.cache import is_fp8
 from jax_mla.config import (
     triton_ctas_per_sm,
     triton_decode_overrides,
+    triton_l2_hints,
     triton_max_rows,
     triton_min_block_m,
     triton_sm90_kernel,
@@ -248,7 +249,7 @@ def _problem_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pa
     return dict(
         QK_SCALE=float(scale * _LOG2E), H=num_heads, MAX_PAGES=max_pages, Q=qlen,
         HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks, L=kv_lora_rank, R=rope_dim,
-        PAGE_SIZE=page_size)
+        PAGE_SIZE=page_size, L2_HINTS=triton_l2_hints())
 
 
 def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
@@ -386,7 +387,7 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
         input_output_aliases={6: 0, 7: 1},
         platform=platform, num_warps=4, num_stages=1,
         H=h, L=lr, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_S=block_s, MAX_ROWS=sched.qlen,
-        OFF64=part_out.size >= 2**31,
+        OFF64=part_out.size >= 2**31, L2_HINTS=triton_l2_hints(),
     )
     return out, lse
 

@@ -155,7 +155,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
           qk_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
           sQn3, sQr3, sKn, sKr, sM0, sS0, sM1, sS1, bars,
           H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
-          L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr):
+          L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
+          L2_HINTS: gl.constexpr):
     """One warpgroup's part of every work of this program (``ROLE`` 0 or 1, see the module)."""
     D: gl.constexpr = L + R
     LH: gl.constexpr = L // 2
@@ -363,7 +364,11 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                      mask=o_mask)
         else:
             orow = (ploc + t_o).to(gl.int64) * H + head_o
-            gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask)
+            if L2_HINTS:  # kept in L2 for the reduce (see the Triton kernel's module doc)
+                gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask,
+                         eviction_policy="evict_last")
+            else:
+                gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask)
         if ROLE == 0:
             empty_s = l_i == 0.0
             m_f = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -374,7 +379,12 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             if ploc < 0:
                 gl.store(lse_ptr + (qo_start + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s)
             else:
-                gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s)
+                if L2_HINTS:
+                    gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse,
+                             mask=ok_s, eviction_policy="evict_last")
+                else:
+                    gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse,
+                             mask=ok_s)
 
 
 @gluon.jit
@@ -383,7 +393,7 @@ def mla_decode_sm90_kernel(
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     QK_SCALE: gl.constexpr, H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr,
     HB: gl.constexpr, NUM_HB: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr, L2_HINTS: gl.constexpr = False,
 ):
     """Grid: persistent programs x head blocks, head block fastest (as the Triton kernel).
     Launched with 4 warps (warpgroup 0); warpgroup 1 is the worker partition."""
@@ -415,9 +425,9 @@ def mla_decode_sm90_kernel(
         [(_role, (gl.constexpr(0), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr, sKn, sKr,
                   sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R, PAGE_SIZE,
-                  TILE_IN_PAGE)),
+                  TILE_IN_PAGE, L2_HINTS)),
          (_role, (gl.constexpr(1), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr, sKn, sKr,
                   sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R, PAGE_SIZE,
-                  TILE_IN_PAGE))],
+                  TILE_IN_PAGE, L2_HINTS))],
         [4], [232])
