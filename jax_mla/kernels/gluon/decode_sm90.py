@@ -171,6 +171,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                                           warps_per_cta=[4, 1], order=[1, 0])
     dt: gl.constexpr = kv_ptr.dtype.element_ty
     col0: gl.constexpr = ROLE * LH
+    # Split partials are kept in L2 for the reduce (see the Triton kernel's module doc).
+    part_policy: gl.constexpr = "evict_last" if L2_HINTS else ""
     if ROLE == 0:
         sM_me = sM0
         sS_me = sS0
@@ -364,11 +366,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                      mask=o_mask)
         else:
             orow = (ploc + t_o).to(gl.int64) * H + head_o
-            if L2_HINTS:  # kept in L2 for the reduce (see the Triton kernel's module doc)
-                gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask,
-                         eviction_policy="evict_last")
-            else:
-                gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask)
+            gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask,
+                     eviction_policy=part_policy)
         if ROLE == 0:
             empty_s = l_i == 0.0
             m_f = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -379,12 +378,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             if ploc < 0:
                 gl.store(lse_ptr + (qo_start + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s)
             else:
-                if L2_HINTS:
-                    gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse,
-                             mask=ok_s, eviction_policy="evict_last")
-                else:
-                    gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse,
-                             mask=ok_s)
+                gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s,
+                         eviction_policy=part_policy)
 
 
 @gluon.jit

@@ -202,14 +202,11 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
         tl.store(lse_ptr + qrow, lse, mask=row_ok)
     else:
         prow = (ploc + t).to(tl.int64) * H + head
-        if L2_HINTS:
-            # Kept in L2 for the reduce: the KV stream would evict them first (see module doc).
-            tl.store(part_out_ptr + prow[:, None] * L + offs_l[None, :], o, mask=o_mask,
-                     eviction_policy="evict_last")
-            tl.store(part_lse_ptr + prow, lse, mask=row_ok, eviction_policy="evict_last")
-        else:
-            tl.store(part_out_ptr + prow[:, None] * L + offs_l[None, :], o, mask=o_mask)
-            tl.store(part_lse_ptr + prow, lse, mask=row_ok)
+        # Kept in L2 for the reduce: the KV stream would evict them first (see module doc).
+        part_policy: tl.constexpr = "evict_last" if L2_HINTS else ""
+        tl.store(part_out_ptr + prow[:, None] * L + offs_l[None, :], o, mask=o_mask,
+                 eviction_policy=part_policy)
+        tl.store(part_lse_ptr + prow, lse, mask=row_ok, eviction_policy=part_policy)
 
 
 @triton.jit
@@ -284,6 +281,7 @@ def mla_reduce_kernel(
     offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
     h_ok = offs_h < H
     l_ok = offs_l < L
+    read_policy: tl.constexpr = "evict_first" if L2_HINTS else ""  # partials are read once
     for r in range(0, MAX_ROWS):
         if q0 + r < q1:
             m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -299,13 +297,9 @@ def mla_reduce_kernel(
                 ok = j_ok[:, None] & h_ok[None, :]
                 o_ptrs = part_out_ptr + prow[:, :, None] * L + offs_l[None, None, :]
                 o_ok = ok[:, :, None] & l_ok[None, None, :]
-                if L2_HINTS:  # read once: let them go first
-                    lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"),
-                                 eviction_policy="evict_first")
-                    oj = tl.load(o_ptrs, mask=o_ok, other=0.0, eviction_policy="evict_first")
-                else:
-                    lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"))
-                    oj = tl.load(o_ptrs, mask=o_ok, other=0.0)
+                lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"),
+                             eviction_policy=read_policy)
+                oj = tl.load(o_ptrs, mask=o_ok, other=0.0, eviction_policy=read_policy)
                 lj = tl.where(lj == float("inf"), float("-inf"), lj)
                 m_new = tl.maximum(m, tl.max(lj, axis=0))
                 m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
