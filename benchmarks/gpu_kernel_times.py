@@ -3,7 +3,8 @@
 CUPTI's kernel records cover every kernel the process launches, JAX's included, so this gives the
 call's GPU time with no launch gaps and no host overhead: the split kernel, the reduce, memsets,
 and any XLA op around them. Usage on the GPU machine:
-``python benchmarks/gpu_kernel_times.py OUT.json``.
+``python benchmarks/gpu_kernel_times.py OUT.json [B,H,S[,Q[,PAGE]] ...]`` (default: the shapes
+below).
 """
 
 import json
@@ -20,7 +21,7 @@ def shapes():
             Shape(8, 128, 32768), Shape(128, 128, 4096)]
 
 
-def main(path, calls=20):
+def main(path, specs=(), calls=20):
     import jax
     import numpy as np
     import torch
@@ -32,7 +33,10 @@ def main(path, calls=20):
     torch.cuda.init()
     rng = np.random.default_rng(0)
     rows = []
-    for shape in shapes():
+    from jax_mla.bench.decode import Shape
+
+    todo = [Shape.parse(s) for s in specs] if specs else shapes()
+    for shape in todo:
         q, cache, table, lens = make_inputs(shape, rng)
         md = jax.jit(lambda t, n, s=shape: jax_mla.build_decode_metadata(
             t, n, page_size=s.page, qlen=s.qlen, num_heads=s.heads, backend="triton"))(table, lens)
@@ -63,4 +67,4 @@ def main(path, calls=20):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

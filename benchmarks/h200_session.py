@@ -74,6 +74,12 @@ def stage_tests_reduce():
             200)
 
 
+def stage_tests_triton_quick():
+    """The Triton conformance cases without the long ragged 64-row ones."""
+    _pytest("conformance_triton_quick", ["tests/test_conformance.py", "-k",
+                                         "triton and not long_ragged"], 200)
+
+
 def stage_tests_more():
     _pytest("errors_merge", ["tests/test_errors.py", "tests/test_merge.py"], 200)
 
@@ -289,6 +295,28 @@ def stage_l2_ab():
     default) and without the hints (JAX_MLA_TRITON_L2_HINTS=0)."""
     _kernel_times("kernel_times")
     _kernel_times("kernel_times_no_l2_hints", JAX_MLA_TRITON_L2_HINTS="0")
+
+
+def stage_gaps():
+    """The bench chain's kernels and the idle gaps between them (CUPTI)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        r = subprocess.run([sys.executable, "benchmarks/gpu_gaps.py", f"{OUT}/gaps.json",
+                            "32,16,4096", "64,16,4096", "64,16,4096,4", "128,16,4096",
+                            "64,16,8192"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        text = r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        text = f"TIMEOUT\n{e.stdout or ''}"
+    open(f"{OUT}/gaps_log.txt", "w").write(str(text))
+    log("gaps:\n" + "\n".join(str(text).strip().splitlines()[-8:]))
+
+
+def stage_affine_ab():
+    """CUPTI times with the reduce that reads a plan's consecutive partials directly (the
+    default) and with the general one (AITER's maps; JAX_MLA_TRITON_AFFINE_REDUCE=0)."""
+    _kernel_times("kernel_times")
+    _kernel_times("kernel_times_general_reduce", JAX_MLA_TRITON_AFFINE_REDUCE="0")
 
 
 def stage_sm90():

@@ -19,6 +19,11 @@
   A/B measurements and as an escape hatch).
 - ``JAX_MLA_TRITON_L2_HINTS=0``: store split partials with the default L2 policy instead of
   ``evict_last`` (and read them in the reduce without ``evict_first``); for A/B measurements.
+- ``JAX_MLA_TRITON_AFFINE_REDUCE=0``: merge this package's split plans with the general reduce
+  kernel (AITER's partial maps) instead of the one that reads their consecutive partials
+  directly; for A/B measurements.
+- ``JAX_MLA_TRITON_REDUCE_BLOCK_S``: partials a reduce program reads at once (default: about
+  what one request splits into, ``reduce_block_s`` in ``backends/triton.py``; tuning sweeps).
 - ``TRITON_INTERPRET``: Triton's own switch; on CPU jax_mla sets it to 1 if triton is not yet
   imported (see ``backends/triton_launch.py``).
 """
@@ -79,3 +84,12 @@ def triton_l2_hints() -> bool:
 
 def triton_sm90_kernel() -> bool:
     return os.environ.get("JAX_MLA_TRITON_SM90_KERNEL", "1") != "0"
+
+
+def triton_affine_reduce() -> bool:
+    return os.environ.get("JAX_MLA_TRITON_AFFINE_REDUCE", "1") != "0"
+
+
+def triton_reduce_block_s() -> int | None:
+    v = os.environ.get("JAX_MLA_TRITON_REDUCE_BLOCK_S")
+    return int(v) if v else None

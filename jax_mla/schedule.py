@@ -20,8 +20,11 @@ The plan uses AITER's layout (``get_mla_metadata_v1``), so the same reduce consu
 covers its whole request and writes the final output, otherwise its ``Q`` rows go to partial rows
 ``[partial_qo_loc, partial_qo_loc + Q)``. ``reduce_indptr [B+1]``, ``reduce_final_map [B, 2]``
 and ``reduce_partial_map [capacity]`` say which partial rows merge into which final rows;
-``reduce_tiles`` (ours, not AITER's) lists the requests that were split, so the reduce launches
-programs for those only.
+``reduce_tiles`` and ``reduce_tile_ptr`` (ours, not AITER's) list the requests that were split
+and where their partials are, so the reduce launches programs for those only and each program finds
+its partials with one load. A request's partial rows are consecutive: piece ``s`` of the ``k``-th
+split request (in request order) writes rows ``[(p0 + s) * Q, (p0 + s + 1) * Q)`` with
+``p0 = reduce_indptr[request]``, which is what ``reduce_partial_map`` says in AITER's terms.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class SplitSchedule:
       reduce_partial_map: ``[max_works]`` int32 partial row offsets; tail -1.
       reduce_tiles: ``[max(1, min(B, P - 1))]`` int32: the requests that were split, ascending,
         tail -1. The reduce runs one tile per entry: P programs cut at most P - 1 requests.
+      reduce_tile_ptr: ``[len(reduce_tiles), 2]`` int32: ``reduce_indptr[t], reduce_indptr[t + 1]``
+        of each listed request ``t`` (``0, 0`` in the tail): its partials, read in one load.
       block_n: static KV tile; every work starts on a multiple of it.
       num_head_blocks, qlen: static shape the plan was made for.
     """
@@ -65,6 +70,7 @@ class SplitSchedule:
     reduce_final_map: jax.Array
     reduce_partial_map: jax.Array
     reduce_tiles: jax.Array
+    reduce_tile_ptr: jax.Array
     block_n: int = 64
     num_head_blocks: int = 1
     qlen: int = 1
@@ -81,7 +87,7 @@ class SplitSchedule:
 jax.tree_util.register_dataclass(
     SplitSchedule,
     data_fields=["work_indptr", "work_info_set", "num_works", "reduce_indptr", "reduce_final_map",
-                 "reduce_partial_map", "reduce_tiles"],
+                 "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr"],
     meta_fields=["block_n", "num_head_blocks", "qlen"],
 )
 
@@ -164,6 +170,11 @@ def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_bl
     pr, ps_, pvalid = expand_indptr(reduce_indptr, cap)
     partial_map = jnp.where(pvalid, (reduce_indptr[pr] + ps_) * qlen, -1).astype(jnp.int32)
     qo_b = jnp.arange(b, dtype=jnp.int32) * qlen
+    tiles = jnp.nonzero(split, size=max(1, min(b, p_count - 1)), fill_value=-1)[0]
+    tiles = tiles.astype(jnp.int32)
+    t = jnp.maximum(tiles, 0)
+    tile_ptr = jnp.stack([reduce_indptr[t], reduce_indptr[t + 1]], axis=1)
+    tile_ptr = jnp.where((tiles >= 0)[:, None], tile_ptr, 0)
     return SplitSchedule(
         work_indptr=work_indptr,
         work_info_set=info,
@@ -171,8 +182,8 @@ def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_bl
         reduce_indptr=reduce_indptr,
         reduce_final_map=jnp.stack([qo_b, qo_b + qlen], axis=1),
         reduce_partial_map=partial_map,
-        reduce_tiles=jnp.nonzero(split, size=max(1, min(b, p_count - 1)),
-                                 fill_value=-1)[0].astype(jnp.int32),
+        reduce_tiles=tiles,
+        reduce_tile_ptr=tile_ptr.astype(jnp.int32),
         block_n=block_n,
         num_head_blocks=num_head_blocks,
         qlen=qlen,

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jax_mla.bench import timing
 
@@ -60,3 +61,13 @@ def test_decode_tune_checks_every_config_against_xla():
     for r in rows:
         assert "error" not in r, r
         assert r["us"] > 0 and r["rel_err_vs_xla"] < 1e-2, r
+
+
+def test_shape_parse_reads_the_gpu_scripts_specs():
+    from jax_mla.bench.decode import Shape
+
+    assert Shape.parse("64,16,4096,4") == Shape(64, 16, 4096, qlen=4)
+    assert Shape.parse("1,128,1024") == Shape(1, 128, 1024)
+    assert Shape.parse("8,16,512,2,1") == Shape(8, 16, 512, qlen=2, page=1)
+    with pytest.raises(ValueError, match="B,H,S"):
+        Shape.parse("64,16")

@@ -38,12 +38,27 @@ def reduce_ptx(hints):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, num_stages=1)).asm["ptx"]
 
+def affine_ptx(hints):
+    names = ("part_out_ptr", "part_lse_ptr", "tiles_ptr", "tile_ptr_ptr", "out_in_ptr",
+             "lse_in_ptr", "out_ptr", "lse_ptr")
+    types = ["*fp32", "*fp32", "*i32", "*i32", "*bf16", "*fp32", "*bf16", "*fp32"]
+    consts = dict(H=16, L=512, Q=2, BLOCK_H=16, BLOCK_L=16, BLOCK_S=8, OFF64=False,
+                  L2_HINTS=hints)
+    src = ASTSource(fn=decode.mla_reduce_affine_kernel,
+                    signature=dict(zip(names, types)) | dict.fromkeys(consts, "constexpr"),
+                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(8)})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1)).asm["ptx"]
+
 out = {}
 for hints in ("1", "0"):
     os.environ["JAX_MLA_TRITON_L2_HINTS"] = hints
     ptx = compile_report(16, 1, 64, wg_split=False)["ptx"]
     red = reduce_ptx(hints == "1")
+    aff = affine_ptx(hints == "1")
     out[hints] = dict(
+        affine_evict_first=len(re.findall(r"ld\.global[^;]*evict_first", aff)),
+        affine_loads=len(re.findall(r"ld\.global", aff)),
         decode_evict_last=len(re.findall(r"st\.global[^;]*evict_last", ptx)),
         decode_stores=len(re.findall(r"st\.global", ptx)),
         reduce_evict_first=len(re.findall(r"ld\.global[^;]*evict_first", red)),
@@ -59,13 +74,16 @@ def test_partials_carry_l2_hints_in_the_ptx():
     # The 16-row decode kernel: the partial stores (out and LSE) are hinted, the final ones not.
     assert 0 < on["decode_evict_last"] < on["decode_stores"], r
     assert off["decode_evict_last"] == 0 < off["decode_stores"], r
-    # The reduce: the partial reads are evict_first, the plan's integers are not.
+    # Both reduces: the partial reads are evict_first, the plan's integers are not.
     assert 0 < on["reduce_evict_first"] < on["reduce_loads"], r
     assert off["reduce_evict_first"] == 0, r
+    assert 0 < on["affine_evict_first"] < on["affine_loads"], r
+    assert off["affine_evict_first"] == 0 < off["affine_loads"], r
 
 
 def test_l2_hints_knob_reaches_every_kernel(monkeypatch):
     from jax_mla.backends import triton as tb
+    from jax_mla.schedule import plan_splits
 
     cfg = tb.kernel_config(16, 1, 64, "cuda", sm90=False)
     args = dict(num_heads=16, qlen=1, page_size=64, max_pages=4, kv_lora_rank=512, rope_dim=64,
@@ -80,6 +98,9 @@ def test_l2_hints_knob_reaches_every_kernel(monkeypatch):
     sched = types.SimpleNamespace(reduce_indptr=np.zeros(3, np.int32),
                                   reduce_final_map=np.zeros((2, 2), np.int32),
                                   reduce_partial_map=np.zeros(4, np.int32), qlen=1)
+    lens = np.array([100, 7], np.int32)
+    ours = plan_splits(lens, np.array([0, 100, 107], np.int32), qlen=1, block_n=16,
+                       num_programs=4)
     out, lse = np.zeros((2, 16, 512), np.float32), np.zeros((2, 16), np.float32)
     for value, want in (("0", False), ("1", True), (None, True)):
         if value is None:
@@ -88,5 +109,7 @@ def test_l2_hints_knob_reaches_every_kernel(monkeypatch):
             monkeypatch.setenv("JAX_MLA_TRITON_L2_HINTS", value)
         assert tb.decode_constexprs(cfg, **args)["L2_HINTS"] is want
         assert tb.sm90_constexprs(cfg, **args)["L2_HINTS"] is want
-        tb.reduce_partials(out, lse, sched, out, lse, platform="cuda")
+        tb.reduce_partials(out, lse, sched, out, lse, platform="cuda")  # AITER's layout
         assert seen["mla_reduce_kernel"] is want
+        tb.reduce_partials(out, lse, ours, out, lse, platform="cuda")  # this package's plans
+        assert seen["mla_reduce_affine_kernel"] is want

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_mla.schedule import NO_SPLIT_SLACK, OVERHEAD_BLOCKS, plan_splits
+from jax_mla.schedule import NO_SPLIT_SLACK, OVERHEAD_BLOCKS, SplitSchedule, plan_splits
 
 
 def _plan(lens, *, qlen=1, block_n=16, programs=8):
@@ -14,7 +14,7 @@ def _plan(lens, *, qlen=1, block_n=16, programs=8):
     sched = plan_splits(lens, indptr, qlen=qlen, block_n=block_n, num_programs=programs)
     return lens, indptr, {k: np.asarray(getattr(sched, k)) for k in (
         "work_indptr", "work_info_set", "num_works", "reduce_indptr", "reduce_final_map",
-        "reduce_partial_map", "reduce_tiles")}, sched
+        "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr")}, sched
 
 
 def _check(lens, qlen, block_n, programs):
@@ -66,6 +66,13 @@ def _check(lens, qlen, block_n, programs):
     assert len(tiles) == max(1, min(b, programs - 1)) and len(split_reqs) <= len(tiles)
     np.testing.assert_array_equal(tiles[:len(split_reqs)], split_reqs)
     assert np.all(tiles[len(split_reqs):] == -1)
+    # Each listed request's partials, in one row: (reduce_indptr[t], reduce_indptr[t + 1]).
+    tp = p["reduce_tile_ptr"]
+    ri = p["reduce_indptr"]
+    assert tp.shape == (len(tiles), 2)
+    np.testing.assert_array_equal(tp[:len(split_reqs), 0], ri[split_reqs])
+    np.testing.assert_array_equal(tp[:len(split_reqs), 1], ri[split_reqs + 1])
+    assert np.all(tp[len(split_reqs):] == 0)
     # Partial slots are distinct and dense.
     ploc = info[info[:, 1] >= 0, 1]
     assert len(set(ploc.tolist())) == len(ploc)
@@ -174,9 +181,14 @@ def test_gpu_kernel_config_env_overrides(monkeypatch):
     assert (c.block_m, c.block_n, c.sm90) == (64, 16, False)
 
 
-@pytest.mark.parametrize("qlen", [1, 2])
-def test_triton_reduce_merges_many_partials_exactly(qlen):
-    """Requests split 13 / 1 / 6 / 9 ways (partials empty, -inf or +inf-poisoned among them)."""
+@pytest.mark.parametrize("layout", ["maps", "affine"])
+@pytest.mark.parametrize("qlen", [1, 3])
+def test_triton_reduce_merges_many_partials_exactly(qlen, layout):
+    """Requests split 13 / 1 / 6 / 9 ways (partials empty, -inf or +inf-poisoned among them).
+
+    ``maps``: a plan in AITER's layout, partial rows in any order (the general reduce kernel).
+    ``affine``: this package's plan, each request's partials consecutive and only the split
+    requests listed, with an unused tail entry (``mla_reduce_affine_kernel``)."""
     import types
 
     import jax
@@ -196,7 +208,8 @@ def test_triton_reduce_merges_many_partials_exactly(qlen):
     split = np.where(counts > 1, counts, 0)
     indptr = np.concatenate([[0], np.cumsum(split)]).astype(np.int32)
     n_part = int(indptr[-1])
-    order = rng.permutation(n_part)  # partial rows need not be in request order
+    # In AITER's layout partial rows need not be in request order; in ours they are.
+    order = rng.permutation(n_part) if layout == "maps" else np.arange(n_part)
     pmap = np.full(n_part + 3, -1, np.int32)
     pmap[:n_part] = order * qlen
     part = rng.standard_normal((n_part * qlen, h, lr)).astype(np.float32)
@@ -207,9 +220,21 @@ def test_triton_reduce_merges_many_partials_exactly(qlen):
     final = rng.standard_normal((b * qlen, h, lr)).astype(np.float32)
     final_lse = rng.standard_normal((b * qlen, h)).astype(np.float32)
     fmap = np.stack([np.arange(b) * qlen, np.arange(b) * qlen + qlen], 1).astype(np.int32)
-    sched = types.SimpleNamespace(reduce_indptr=jnp.asarray(indptr),
-                                  reduce_final_map=jnp.asarray(fmap),
-                                  reduce_partial_map=jnp.asarray(pmap), qlen=qlen)
+    if layout == "maps":
+        sched = types.SimpleNamespace(reduce_indptr=jnp.asarray(indptr),
+                                      reduce_final_map=jnp.asarray(fmap),
+                                      reduce_partial_map=jnp.asarray(pmap), qlen=qlen)
+    else:
+        tiles = np.array([0, 2, 3, -1], np.int32)
+        tile_ptr = np.array([[indptr[t], indptr[t + 1]] if t >= 0 else [0, 0] for t in tiles])
+        programs = 8
+        sched = SplitSchedule(
+            work_indptr=jnp.zeros(programs + 1, jnp.int32),
+            work_info_set=jnp.zeros((programs + b, 8), jnp.int32),
+            num_works=jnp.zeros(1, jnp.int32), reduce_indptr=jnp.asarray(indptr),
+            reduce_final_map=jnp.asarray(fmap), reduce_partial_map=jnp.asarray(pmap),
+            reduce_tiles=jnp.asarray(tiles), reduce_tile_ptr=jnp.asarray(tile_ptr, jnp.int32),
+            qlen=qlen)
     out, lse = jax.jit(lambda p, pl_, f, fl: reduce_partials(p, pl_, sched, f, fl,
                                                              platform=platform))(
         jnp.asarray(part), jnp.asarray(plse), jnp.asarray(final), jnp.asarray(final_lse))

@@ -22,11 +22,13 @@ from jax_mla.backends import current_platform
 from jax_mla.backends.triton_launch import GPU_PLATFORMS, triton_call, triton_importable
 from jax_mla.cache import is_fp8
 from jax_mla.config import (
+    triton_affine_reduce,
     triton_ctas_per_sm,
     triton_decode_overrides,
     triton_l2_hints,
     triton_max_rows,
     triton_min_block_m,
+    triton_reduce_block_s,
     triton_sm90_kernel,
     triton_wg_split,
 )
@@ -370,26 +372,49 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
     # ~7 programs per SM hide the latency of each request's chain of loads (8 x 16 x 64 took 249
     # registers: 2 programs per SM, and 101 us at 128 heads, B=128).
     block_l = min(16 if gpu else 128, _next_pow2(lr))
-    block_s = 8 if gpu else 4
-    # One program per split request (the plan lists them), not per request: a program that only
-    # finds nothing to merge still costs its launch (128 heads, B=128, nothing split: 20.8 us for
-    # 32768 such programs). Plans without the list (AITER's) get every tile.
+    grid_hl = (math.ceil(h / block_h), math.ceil(lr / block_l))
+    out_shapes = [jax.ShapeDtypeStruct(out.shape, out.dtype),
+                  jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
+    consts = dict(H=h, L=lr, BLOCK_H=block_h, BLOCK_L=block_l, OFF64=part_out.size >= 2**31,
+                  L2_HINTS=triton_l2_hints())
+    if isinstance(sched, SplitSchedule) and triton_affine_reduce():
+        # This package's plans: one program per split request (the plan lists them; a program
+        # that finds nothing to merge still costs its launch: 20.8 us at 128 heads, B=128, when
+        # every request had one), each finding its consecutive partials with one load.
+        tiles = sched.reduce_tiles
+        block_s = reduce_block_s(sched.num_programs, sched.reduce_final_map.shape[0],
+                                 sched.qlen, gpu)
+        return triton_call(
+            _kernels().mla_reduce_affine_kernel,
+            part_out, part_lse, tiles, sched.reduce_tile_ptr, out, lse,
+            grid=(tiles.shape[0], *grid_hl), out_shapes=out_shapes,
+            input_output_aliases={4: 0, 5: 1}, platform=platform, num_warps=4, num_stages=1,
+            Q=sched.qlen, BLOCK_S=block_s, **consts)
+    # Plans in AITER's layout (``rocm.planner``): any partial map, a program for every tile (for
+    # this package's plans, with JAX_MLA_TRITON_AFFINE_REDUCE=0: for every split request).
     tiles = getattr(sched, "reduce_tiles", None)
     if tiles is None:
         tiles = jnp.arange(sched.reduce_final_map.shape[0], dtype=jnp.int32)
-    out, lse = triton_call(
+    return triton_call(
         _kernels().mla_reduce_kernel,
         part_out, part_lse, sched.reduce_indptr, sched.reduce_final_map,
         sched.reduce_partial_map, tiles, out, lse,
-        grid=(tiles.shape[0], math.ceil(h / block_h), math.ceil(lr / block_l)),
-        out_shapes=[jax.ShapeDtypeStruct(out.shape, out.dtype),
-                    jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
-        input_output_aliases={6: 0, 7: 1},
-        platform=platform, num_warps=4, num_stages=1,
-        H=h, L=lr, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_S=block_s, MAX_ROWS=sched.qlen,
-        OFF64=part_out.size >= 2**31, L2_HINTS=triton_l2_hints(),
-    )
-    return out, lse
+        grid=(tiles.shape[0], *grid_hl), out_shapes=out_shapes,
+        input_output_aliases={6: 0, 7: 1}, platform=platform, num_warps=4, num_stages=1,
+        BLOCK_S=8 if gpu else 4, MAX_ROWS=sched.qlen, **consts)
+
+
+def reduce_block_s(num_programs: int, batch: int, qlen: int, gpu: bool) -> int:
+    """Partials an affine reduce program reads at once: about what a request of a fixed-length
+    batch splits into, so that most requests take one round trip, and at most 8. (On the H200,
+    chunks of 16 were 0.6-3 us slower than two rounds of 8, e.g. B32 H16 S4k 9.3 vs 8.7 us, and
+    B8 H128 S32k 16.5 vs 13.5: ``benchmarks/results/2026-12-03-h200-affine-reduce``.)"""
+    if (forced := triton_reduce_block_s()) is not None:
+        return forced
+    if not gpu:
+        return 4
+    per = -(-num_programs // max(batch, 1)) + 1
+    return max(2, min(_next_pow2(per), 8))
 
 
 def _sm90_kernels():

@@ -28,6 +28,14 @@ class Shape:
     varlen: bool = False
     tag: str = ""
 
+    @classmethod
+    def parse(cls, spec: str) -> Shape:
+        """``"B,H,S[,Q[,PAGE]]"``, e.g. ``"64,16,4096,4"`` (the GPU scripts' command lines)."""
+        v = [int(x) for x in spec.split(",")]
+        if not 3 <= len(v) <= 5:
+            raise ValueError(f"shape {spec!r}: expected B,H,S[,Q[,PAGE]]")
+        return cls(*v[:3], qlen=v[3] if len(v) > 3 else 1, page=v[4] if len(v) > 4 else 64)
+
     @property
     def name(self):
         v = " varlen" if self.varlen else ""

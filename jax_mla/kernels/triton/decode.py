@@ -320,3 +320,100 @@ def mla_reduce_kernel(
                 m_fin = tl.where(m == float("-inf"), 0.0, m)
                 lse = tl.where(empty, float("-inf"), m_fin + tl.log(z_safe))
                 tl.store(lse_ptr + orow, lse, mask=h_ok)
+
+
+@triton.jit
+def _load_partials(part_out_ptr, part_lse_ptr, prow0, r, j_ok, offs_h, h_ok, offs_l, l_ok,
+                   H: tl.constexpr, L: tl.constexpr, read_policy: tl.constexpr):
+    """Row ``r`` of a chunk of partials: LSE ``[S, BLOCK_H]`` and out ``[S, BLOCK_H, BLOCK_L]``."""
+    prow = (prow0 + r)[:, None] * H + offs_h[None, :]
+    ok = j_ok[:, None] & h_ok[None, :]
+    lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"), eviction_policy=read_policy)
+    oj = tl.load(part_out_ptr + prow[:, :, None] * L + offs_l[None, None, :],
+                 mask=ok[:, :, None] & l_ok[None, None, :], other=0.0,
+                 eviction_policy=read_policy)
+    return tl.where(lj == float("inf"), float("-inf"), lj), oj
+
+
+@triton.jit
+def _merge_chunk(m, z, acc, lj, oj):
+    """Fold one chunk of partials into the running ``(max, sum of weights, weighted sum)``."""
+    m_new = tl.maximum(m, tl.max(lj, axis=0))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_sub)
+    wj = tl.exp(lj - m_sub[None, :])
+    acc = acc * alpha[:, None] + tl.sum(tl.where(wj[:, :, None] > 0, wj[:, :, None] * oj, 0.0),
+                                        axis=0)
+    return m_new, z * alpha + tl.sum(wj, axis=0), acc
+
+
+@triton.jit
+def mla_reduce_affine_kernel(
+    part_out_ptr, part_lse_ptr, tiles_ptr, tile_ptr_ptr,
+    out_in_ptr, lse_in_ptr,
+    out_ptr, lse_ptr,
+    H: tl.constexpr, L: tl.constexpr, Q: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, OFF64: tl.constexpr,
+    L2_HINTS: tl.constexpr = False,
+):
+    """The reduce for this package's own plans (``schedule.plan_splits``), where the partials of
+    a request are consecutive: program ``(k, hb, lb)`` merges split request ``i = tiles[k]``,
+    whose pieces ``p0 <= p < p1`` (``tile_ptr[k]``) hold partial rows ``p * Q + r``; final rows
+    are ``i * Q + r``. Same merge, in the same order, as :func:`mla_reduce_kernel`.
+
+    The merge is latency-bound: a program's time is its chain of dependent loads. Here the chain is
+    two loads deep (``tiles``/``tile_ptr`` together, then the partials) where the general kernel
+    needs four (tile, indptr, maps, partials) and two more per verify row. The ``Q`` rows are
+    unrolled and row ``r + 1``'s partials are loaded before row ``r`` is merged, so a verify
+    tile's rows overlap their loads instead of waiting one after another.
+    """
+    k = tl.program_id(0)
+    hb = tl.program_id(1)
+    lb = tl.program_id(2)
+    i = tl.load(tiles_ptr + k)
+    p0 = tl.load(tile_ptr_ptr + 2 * k)
+    p1 = tl.load(tile_ptr_ptr + 2 * k + 1)
+    if i < 0:
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
+    h_ok = offs_h < H
+    l_ok = offs_l < L
+    read_policy: tl.constexpr = "evict_first" if L2_HINTS else ""  # partials are read once
+    js = p0 + offs_s
+    j_ok = js < p1
+    prow0 = js * Q
+    if OFF64:
+        prow0 = prow0.to(tl.int64)
+    lj, oj = _load_partials(part_out_ptr, part_lse_ptr, prow0, 0, j_ok, offs_h, h_ok, offs_l,
+                            l_ok, H, L, read_policy)
+    for r in tl.static_range(Q):
+        cur_l = lj
+        cur_o = oj
+        if r + 1 < Q:  # the next row's loads go out before this row waits for its own
+            lj, oj = _load_partials(part_out_ptr, part_lse_ptr, prow0, r + 1, j_ok, offs_h,
+                                    h_ok, offs_l, l_ok, H, L, read_policy)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        z = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+        m, z, acc = _merge_chunk(m, z, acc, cur_l, cur_o)
+        for c in range(p0 + BLOCK_S, p1, BLOCK_S):  # requests split more than BLOCK_S ways
+            cs = c + offs_s
+            c_ok = cs < p1
+            crow0 = cs * Q
+            if OFF64:
+                crow0 = crow0.to(tl.int64)
+            xl, xo = _load_partials(part_out_ptr, part_lse_ptr, crow0, r, c_ok, offs_h, h_ok,
+                                    offs_l, l_ok, H, L, read_policy)
+            m, z, acc = _merge_chunk(m, z, acc, xl, xo)
+        empty = z == 0.0
+        z_safe = tl.where(empty, 1.0, z)
+        o = tl.where(empty[:, None], 0.0, acc / z_safe[:, None])
+        orow = (i * Q + r).to(tl.int64) * H + offs_h
+        tl.store(out_ptr + orow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & l_ok[None, :])
+        if lb == 0:
+            m_fin = tl.where(m == float("-inf"), 0.0, m)
+            lse = tl.where(empty, float("-inf"), m_fin + tl.log(z_safe))
+            tl.store(lse_ptr + orow, lse, mask=h_ok)
