@@ -26,29 +26,28 @@ from triton.compiler import ASTSource
 from jax_mla.backends.triton import compile_report
 from jax_mla.kernels.triton import decode
 
+def compile_ptx(fn, names, types, consts):
+    src = ASTSource(fn=fn, signature=dict(zip(names, types)) | dict.fromkeys(consts, "constexpr"),
+                    constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1)).asm["ptx"]
+
 def reduce_ptx(hints):
     names = ("part_out_ptr", "part_lse_ptr", "reduce_indptr_ptr", "final_map_ptr",
              "partial_map_ptr", "tiles_ptr", "out_in_ptr", "lse_in_ptr", "out_ptr", "lse_ptr")
     types = ["*fp32", "*fp32", "*i32", "*i32", "*i32", "*i32", "*bf16", "*fp32", "*bf16", "*fp32"]
-    consts = dict(H=16, L=512, BLOCK_H=16, BLOCK_L=16, BLOCK_S=8, MAX_ROWS=1, OFF64=False,
-                  L2_HINTS=hints)
-    src = ASTSource(fn=decode.mla_reduce_kernel,
-                    signature=dict(zip(names, types)) | dict.fromkeys(consts, "constexpr"),
-                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=1)).asm["ptx"]
+    return compile_ptx(decode.mla_reduce_kernel, names, types,
+               dict(H=16, L=512, BLOCK_H=16, BLOCK_L=16, BLOCK_S=8, MAX_ROWS=1, OFF64=False,
+                    L2_HINTS=hints))
 
 def affine_ptx(hints):
     names = ("part_out_ptr", "part_lse_ptr", "tiles_ptr", "tile_ptr_ptr", "out_in_ptr",
              "lse_in_ptr", "out_ptr", "lse_ptr")
     types = ["*fp32", "*fp32", "*i32", "*i32", "*bf16", "*fp32", "*bf16", "*fp32"]
-    consts = dict(H=16, L=512, Q=2, BLOCK_H=16, BLOCK_L=16, BLOCK_S=8, OFF64=False,
-                  L2_HINTS=hints)
-    src = ASTSource(fn=decode.mla_reduce_affine_kernel,
-                    signature=dict(zip(names, types)) | dict.fromkeys(consts, "constexpr"),
-                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(8)})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=1)).asm["ptx"]
+    return compile_ptx(decode.mla_reduce_affine_kernel, names, types,
+               dict(H=16, L=512, Q=2, BLOCK_H=16, BLOCK_L=16, BLOCK_S=8, OFF64=False,
+                    L2_HINTS=hints))
 
 out = {}
 for hints in ("1", "0"):

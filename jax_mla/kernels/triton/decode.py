@@ -242,6 +242,47 @@ def mla_decode_kernel(
 
 
 @triton.jit
+def _load_partials(part_out_ptr, part_lse_ptr, prow0, r, j_ok, offs_h, h_ok, offs_l, l_ok,
+                   H: tl.constexpr, L: tl.constexpr, read_policy: tl.constexpr):
+    """Row ``r`` of a chunk of partials: LSE ``[S, BLOCK_H]`` and out ``[S, BLOCK_H, BLOCK_L]``."""
+    prow = (prow0 + r)[:, None] * H + offs_h[None, :]
+    ok = j_ok[:, None] & h_ok[None, :]
+    lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"), eviction_policy=read_policy)
+    oj = tl.load(part_out_ptr + prow[:, :, None] * L + offs_l[None, None, :],
+                 mask=ok[:, :, None] & l_ok[None, None, :], other=0.0,
+                 eviction_policy=read_policy)
+    return tl.where(lj == float("inf"), float("-inf"), lj), oj
+
+
+@triton.jit
+def _merge_chunk(m, z, acc, lj, oj):
+    """Fold one chunk of partials into the running ``(max, sum of weights, weighted sum)``."""
+    m_new = tl.maximum(m, tl.max(lj, axis=0))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_sub)
+    wj = tl.exp(lj - m_sub[None, :])
+    acc = acc * alpha[:, None] + tl.sum(tl.where(wj[:, :, None] > 0, wj[:, :, None] * oj, 0.0),
+                                        axis=0)
+    return m_new, z * alpha + tl.sum(wj, axis=0), acc
+
+
+@triton.jit
+def _store_row(out_ptr, lse_ptr, row, m, z, acc, offs_h, h_ok, offs_l, l_ok, lb,
+               H: tl.constexpr, L: tl.constexpr):
+    """Final row ``row``: ``out = acc / z`` (0 where no partial saw a key) and, from the program
+    that holds latent column 0, ``lse = m + log z`` (``-inf`` there)."""
+    empty = z == 0.0
+    z_safe = tl.where(empty, 1.0, z)
+    o = tl.where(empty[:, None], 0.0, acc / z_safe[:, None])
+    orow = row.to(tl.int64) * H + offs_h
+    tl.store(out_ptr + orow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & l_ok[None, :])
+    if lb == 0:
+        m_fin = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(lse_ptr + orow, tl.where(empty, float("-inf"), m_fin + tl.log(z_safe)), mask=h_ok)
+
+
+@triton.jit
 def mla_reduce_kernel(
     part_out_ptr, part_lse_ptr, reduce_indptr_ptr, final_map_ptr, partial_map_ptr, tiles_ptr,
     out_in_ptr, lse_in_ptr,
@@ -290,61 +331,13 @@ def mla_reduce_kernel(
             for c in range(p0, p1, BLOCK_S):
                 js = c + offs_s
                 j_ok = js < p1
-                base = tl.load(partial_map_ptr + js, mask=j_ok, other=0) + r
+                base = tl.load(partial_map_ptr + js, mask=j_ok, other=0)
                 if OFF64:
                     base = base.to(tl.int64)
-                prow = base[:, None] * H + offs_h[None, :]
-                ok = j_ok[:, None] & h_ok[None, :]
-                o_ptrs = part_out_ptr + prow[:, :, None] * L + offs_l[None, None, :]
-                o_ok = ok[:, :, None] & l_ok[None, None, :]
-                lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"),
-                             eviction_policy=read_policy)
-                oj = tl.load(o_ptrs, mask=o_ok, other=0.0, eviction_policy=read_policy)
-                lj = tl.where(lj == float("inf"), float("-inf"), lj)
-                m_new = tl.maximum(m, tl.max(lj, axis=0))
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - m_sub)
-                wj = tl.exp(lj - m_sub[None, :])
-                acc = acc * alpha[:, None] + tl.sum(
-                    tl.where(wj[:, :, None] > 0, wj[:, :, None] * oj, 0.0), axis=0)
-                z = z * alpha + tl.sum(wj, axis=0)
-                m = m_new
-            empty = z == 0.0
-            z_safe = tl.where(empty, 1.0, z)
-            o = tl.where(empty[:, None], 0.0, acc / z_safe[:, None])
-            orow = (q0 + r).to(tl.int64) * H + offs_h
-            mask = h_ok[:, None] & l_ok[None, :]
-            tl.store(out_ptr + orow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=mask)
-            if lb == 0:
-                m_fin = tl.where(m == float("-inf"), 0.0, m)
-                lse = tl.where(empty, float("-inf"), m_fin + tl.log(z_safe))
-                tl.store(lse_ptr + orow, lse, mask=h_ok)
-
-
-@triton.jit
-def _load_partials(part_out_ptr, part_lse_ptr, prow0, r, j_ok, offs_h, h_ok, offs_l, l_ok,
-                   H: tl.constexpr, L: tl.constexpr, read_policy: tl.constexpr):
-    """Row ``r`` of a chunk of partials: LSE ``[S, BLOCK_H]`` and out ``[S, BLOCK_H, BLOCK_L]``."""
-    prow = (prow0 + r)[:, None] * H + offs_h[None, :]
-    ok = j_ok[:, None] & h_ok[None, :]
-    lj = tl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"), eviction_policy=read_policy)
-    oj = tl.load(part_out_ptr + prow[:, :, None] * L + offs_l[None, None, :],
-                 mask=ok[:, :, None] & l_ok[None, None, :], other=0.0,
-                 eviction_policy=read_policy)
-    return tl.where(lj == float("inf"), float("-inf"), lj), oj
-
-
-@triton.jit
-def _merge_chunk(m, z, acc, lj, oj):
-    """Fold one chunk of partials into the running ``(max, sum of weights, weighted sum)``."""
-    m_new = tl.maximum(m, tl.max(lj, axis=0))
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_sub)
-    wj = tl.exp(lj - m_sub[None, :])
-    acc = acc * alpha[:, None] + tl.sum(tl.where(wj[:, :, None] > 0, wj[:, :, None] * oj, 0.0),
-                                        axis=0)
-    return m_new, z * alpha + tl.sum(wj, axis=0), acc
+                lj, oj = _load_partials(part_out_ptr, part_lse_ptr, base, r, j_ok, offs_h, h_ok,
+                                        offs_l, l_ok, H, L, read_policy)
+                m, z, acc = _merge_chunk(m, z, acc, lj, oj)
+            _store_row(out_ptr, lse_ptr, q0 + r, m, z, acc, offs_h, h_ok, offs_l, l_ok, lb, H, L)
 
 
 @triton.jit
@@ -407,13 +400,4 @@ def mla_reduce_affine_kernel(
             xl, xo = _load_partials(part_out_ptr, part_lse_ptr, crow0, r, c_ok, offs_h, h_ok,
                                     offs_l, l_ok, H, L, read_policy)
             m, z, acc = _merge_chunk(m, z, acc, xl, xo)
-        empty = z == 0.0
-        z_safe = tl.where(empty, 1.0, z)
-        o = tl.where(empty[:, None], 0.0, acc / z_safe[:, None])
-        orow = (i * Q + r).to(tl.int64) * H + offs_h
-        tl.store(out_ptr + orow[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=h_ok[:, None] & l_ok[None, :])
-        if lb == 0:
-            m_fin = tl.where(m == float("-inf"), 0.0, m)
-            lse = tl.where(empty, float("-inf"), m_fin + tl.log(z_safe))
-            tl.store(lse_ptr + orow, lse, mask=h_ok)
+        _store_row(out_ptr, lse_ptr, i * Q + r, m, z, acc, offs_h, h_ok, offs_l, l_ok, lb, H, L)
