@@ -407,8 +407,9 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
 def reduce_block_s(num_programs: int, batch: int, qlen: int, gpu: bool) -> int:
     """Partials an affine reduce program reads at once: about what a request of a fixed-length
     batch splits into, so that most requests take one round trip, and at most 8. (On the H200,
-    chunks of 16 were 0.6-3 us slower than two rounds of 8, e.g. B32 H16 S4k 9.3 vs 8.7 us, and
-    B8 H128 S32k 16.5 vs 13.5: ``benchmarks/results/2026-12-03-h200-affine-reduce``.)"""
+    this kernel with chunks of 16 was 0.4-3 us slower than the general one with rounds of 8,
+    e.g. B32 H16 S4k 9.3 vs 8.7 us and B8 H128 S32k 16.5 vs 13.5, where with chunks of 4-8 it
+    was 17-39 % faster: ``benchmarks/results/2026-12-03-h200-affine-reduce``.)"""
     if (forced := triton_reduce_block_s()) is not None:
         return forced
     if not gpu:
