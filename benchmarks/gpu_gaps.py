@@ -15,24 +15,6 @@ import re
 import sys
 
 
-def _call(shape, rng):
-    import jax
-
-    import jax_mla
-    from jax_mla.bench.decode import DEEPSEEK_SCALE, make_inputs
-
-    q, cache, table, lens = make_inputs(shape, rng)
-    md = jax.jit(lambda t, n: jax_mla.build_decode_metadata(
-        t, n, page_size=shape.page, qlen=shape.qlen, num_heads=shape.heads,
-        backend="triton"))(table, lens)
-
-    def e2e(q, cache, md):
-        return jax_mla.mla_attention(q, cache, md, scale=DEEPSEEK_SCALE, backend="triton",
-                                     return_lse=True)
-
-    return e2e, (q, cache, md)
-
-
 def _kernels(trace_path):
     ev = [e for e in json.load(open(trace_path)).get("traceEvents", [])
           if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
@@ -54,7 +36,7 @@ def gaps(path, specs, n=32):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from jax_mla.bench.decode import Shape
+    from jax_mla.bench.decode import Shape, attention_call
     from jax_mla.bench.timing import _chained, device_time
 
     torch.cuda.init()
@@ -83,7 +65,7 @@ def gaps(path, specs, n=32):
 
     for spec in specs:
         shape = Shape.parse(spec)
-        fn, args = _call(shape, rng)
+        fn, args = attention_call(shape, rng)
         row = {"shape": shape.name, "bench_us": device_time(fn, *args, min_ms=20) * 1e6}
         row |= chain_profile(fn, args, len(rows))
         cache = args[1]

@@ -27,25 +27,19 @@ def main(path, specs=(), calls=20):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import jax_mla
-    from jax_mla.bench.decode import DEEPSEEK_SCALE, make_inputs
+    from jax_mla.bench.decode import Shape, attention_call
 
     torch.cuda.init()
     rng = np.random.default_rng(0)
     rows = []
-    from jax_mla.bench.decode import Shape
-
     todo = [Shape.parse(s) for s in specs] if specs else shapes()
     for shape in todo:
-        q, cache, table, lens = make_inputs(shape, rng)
-        md = jax.jit(lambda t, n, s=shape: jax_mla.build_decode_metadata(
-            t, n, page_size=s.page, qlen=s.qlen, num_heads=s.heads, backend="triton"))(table, lens)
-        f = jax.jit(lambda q, c, m: jax_mla.mla_attention(q, c, m, scale=DEEPSEEK_SCALE,
-                                                          backend="triton", return_lse=True))
-        jax.block_until_ready(f(q, cache, md))
+        fn, args = attention_call(shape, rng)
+        f = jax.jit(fn)
+        jax.block_until_ready(f(*args))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
-                jax.block_until_ready(f(q, cache, md))
+                jax.block_until_ready(f(*args))
         trace = f"/tmp/kernel_times.{len(rows)}.trace.json"
         prof.export_chrome_trace(trace)  # every CUPTI kernel record, whoever launched it
         kernels = {}

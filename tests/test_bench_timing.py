@@ -71,3 +71,13 @@ def test_shape_parse_reads_the_gpu_scripts_specs():
     assert Shape.parse("8,16,512,2,1") == Shape(8, 16, 512, qlen=2, page=1)
     with pytest.raises(ValueError, match="B,H,S"):
         Shape.parse("64,16")
+
+
+def test_attention_call_is_one_layer_on_fresh_inputs():
+    from jax_mla.bench.decode import Shape, attention_call
+
+    shape = Shape(2, 4, 40, qlen=2, page=8)
+    fn, (q, cache, md) = attention_call(shape, np.random.default_rng(), backend="xla")
+    out, lse = jax.jit(fn)(q, cache, md)
+    assert out.shape == (4, 4, 512) and lse.shape == (4, 4)
+    assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.abs(np.asarray(lse)).max() > 0

@@ -101,6 +101,20 @@ def roofline(shape: Shape, lens: np.ndarray, seconds: float, ceil: dict, kv_byte
 DEEPSEEK_SCALE = 1 / math.sqrt(192.0)  # pre-absorption head dim 128 + 64
 
 
+def attention_call(shape: Shape, rng, backend: str = "triton", *, scale=DEEPSEEK_SCALE):
+    """``(fn, args)``: one layer's ``mla_attention`` (with LSE) on fresh inputs for ``shape``,
+    its metadata built once, as the GPU profiling scripts time it."""
+    q, cache, table, lens = make_inputs(shape, rng)
+    md = jax.jit(lambda t, n: jax_mla.build_decode_metadata(
+        t, n, page_size=shape.page, qlen=shape.qlen, num_heads=shape.heads,
+        backend=backend))(table, lens)
+
+    def fn(q, cache, md):
+        return jax_mla.mla_attention(q, cache, md, scale=scale, backend=backend, return_lse=True)
+
+    return fn, (q, cache, md)
+
+
 def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
     q, cache, table, lens = make_inputs(shape, rng)
     lens_np = np.asarray(lens)

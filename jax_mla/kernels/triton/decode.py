@@ -341,6 +341,16 @@ def mla_reduce_kernel(
 
 
 @triton.jit
+def _piece_rows(c, offs_s, p1, Q: tl.constexpr, OFF64: tl.constexpr):
+    """First partial row ``p * Q`` of pieces ``p = c + s < p1`` (consecutive partials)."""
+    js = c + offs_s
+    rows = js * Q
+    if OFF64:
+        rows = rows.to(tl.int64)
+    return rows, js < p1
+
+
+@triton.jit
 def mla_reduce_affine_kernel(
     part_out_ptr, part_lse_ptr, tiles_ptr, tile_ptr_ptr,
     out_in_ptr, lse_in_ptr,
@@ -374,11 +384,7 @@ def mla_reduce_affine_kernel(
     h_ok = offs_h < H
     l_ok = offs_l < L
     read_policy: tl.constexpr = "evict_first" if L2_HINTS else ""  # partials are read once
-    js = p0 + offs_s
-    j_ok = js < p1
-    prow0 = js * Q
-    if OFF64:
-        prow0 = prow0.to(tl.int64)
+    prow0, j_ok = _piece_rows(p0, offs_s, p1, Q, OFF64)
     lj, oj = _load_partials(part_out_ptr, part_lse_ptr, prow0, 0, j_ok, offs_h, h_ok, offs_l,
                             l_ok, H, L, read_policy)
     for r in tl.static_range(Q):
@@ -392,11 +398,7 @@ def mla_reduce_affine_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
         m, z, acc = _merge_chunk(m, z, acc, cur_l, cur_o)
         for c in range(p0 + BLOCK_S, p1, BLOCK_S):  # requests split more than BLOCK_S ways
-            cs = c + offs_s
-            c_ok = cs < p1
-            crow0 = cs * Q
-            if OFF64:
-                crow0 = crow0.to(tl.int64)
+            crow0, c_ok = _piece_rows(c, offs_s, p1, Q, OFF64)
             xl, xo = _load_partials(part_out_ptr, part_lse_ptr, crow0, r, c_ok, offs_h, h_ok,
                                     offs_l, l_ok, H, L, read_policy)
             m, z, acc = _merge_chunk(m, z, acc, xl, xo)
