@@ -129,12 +129,12 @@ def _decode_plan(d):
     ]
 
 
-def _kernel_times(name, **env_extra):
+def _kernel_times(name, *specs, **env_extra):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra)
     try:
         r = subprocess.run([sys.executable, "benchmarks/gpu_kernel_times.py",
-                            f"{OUT}/{name}.json"], capture_output=True, text=True,
+                            f"{OUT}/{name}.json", *specs], capture_output=True, text=True,
                            timeout=240, env=env)
         text = r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
@@ -317,6 +317,14 @@ def stage_affine_ab():
     default) and with the general one (AITER's maps; JAX_MLA_TRITON_AFFINE_REDUCE=0)."""
     _kernel_times("kernel_times")
     _kernel_times("kernel_times_general_reduce", JAX_MLA_TRITON_AFFINE_REDUCE="0")
+
+
+def stage_affine_ab_small():
+    """The same A/B where requests split more than 8 ways (chunks capped at 8)."""
+    specs = ["1,16,1024", "8,16,8192", "16,16,8192", "32,16,4096", "2,128,8192",
+             "8,128,32768", "1,128,1024"]
+    _kernel_times("kernel_times_cap8", *specs)
+    _kernel_times("kernel_times_cap8_general", *specs, JAX_MLA_TRITON_AFFINE_REDUCE="0")
 
 
 def stage_sm90():

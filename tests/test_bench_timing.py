@@ -81,3 +81,44 @@ def test_attention_call_is_one_layer_on_fresh_inputs():
     out, lse = jax.jit(fn)(q, cache, md)
     assert out.shape == (4, 4, 512) and lse.shape == (4, 4)
     assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.abs(np.asarray(lse)).max() > 0
+
+
+def test_gpu_ab_times_each_variant_under_its_own_knobs(tmp_path, monkeypatch):
+    """``benchmarks/gpu_ab.py`` traces every variant with its own environment (the knobs are read
+    at trace time), compares its output with the first variant's, and restores the environment."""
+    import importlib.util
+    import json
+    import os
+    import pathlib
+
+    from jax_mla import config
+    from jax_mla.backends import triton as tb
+
+    if "triton" not in __import__("jax_mla").available_backends():
+        pytest.skip("needs the Triton backend")
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_ab.py"
+    spec = importlib.util.spec_from_file_location("gpu_ab", path)
+    gpu_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_ab)
+    assert gpu_ab.parse_variant("base") == ("base", {})
+    assert gpu_ab.parse_variant("x:A=1,B=") == ("x", {"A": "1", "B": ""})
+
+    seen = []
+    real = tb.reduce_partials
+
+    def spy(*a, **k):
+        seen.append(config.triton_affine_reduce())
+        return real(*a, **k)
+
+    monkeypatch.setattr(tb, "reduce_partials", spy)
+    monkeypatch.delenv("JAX_MLA_TRITON_AFFINE_REDUCE", raising=False)
+    out = tmp_path / "ab.json"
+    gpu_ab.main([str(out), "--rounds", "1", "affine", "general:JAX_MLA_TRITON_AFFINE_REDUCE=0",
+                 "--", "1,2,200"])
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["affine", "general"]
+    assert rows[1]["env"] == {"JAX_MLA_TRITON_AFFINE_REDUCE": "0"}
+    assert all(len(r["us"]) == 1 and r["best_us"] > 0 for r in rows)
+    assert rows[1]["rel_err_vs_first"] < 1e-2  # two reduce kernels, the same merge
+    assert True in seen and False in seen  # each variant traced under its own knob
+    assert "JAX_MLA_TRITON_AFFINE_REDUCE" not in os.environ

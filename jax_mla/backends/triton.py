@@ -409,7 +409,9 @@ def reduce_block_s(num_programs: int, batch: int, qlen: int, gpu: bool) -> int:
     batch splits into, so that most requests take one round trip, and at most 8. (On the H200,
     this kernel with chunks of 16 was 0.4-3 us slower than the general one with rounds of 8,
     e.g. B32 H16 S4k 9.3 vs 8.7 us and B8 H128 S32k 16.5 vs 13.5, where with chunks of 4-8 it
-    was 17-39 % faster: ``benchmarks/results/2026-12-03-h200-affine-reduce``.)"""
+    was 17-39 % faster: ``benchmarks/results/2026-12-03-h200-affine-reduce``. Capped at 8, it
+    was 12-22 % faster than the general one at those shapes too, e.g. 7.4 vs 8.7 us and 11.6 vs
+    13.4: ``benchmarks/results/2026-12-03-h200-fused-merge``.)"""
     if (forced := triton_reduce_block_s()) is not None:
         return forced
     if not gpu:
