@@ -382,8 +382,7 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
         # that finds nothing to merge still costs its launch: 20.8 us at 128 heads, B=128, when
         # every request had one), each finding its consecutive partials with one load.
         tiles = sched.reduce_tiles
-        block_s = reduce_block_s(sched.num_programs, sched.reduce_final_map.shape[0],
-                                 sched.qlen, gpu)
+        block_s = reduce_block_s(sched.num_programs, sched.reduce_final_map.shape[0], gpu)
         return triton_call(
             _kernels().mla_reduce_affine_kernel,
             part_out, part_lse, tiles, sched.reduce_tile_ptr, out, lse,
@@ -404,7 +403,7 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
         BLOCK_S=8 if gpu else 4, MAX_ROWS=sched.qlen, **consts)
 
 
-def reduce_block_s(num_programs: int, batch: int, qlen: int, gpu: bool) -> int:
+def reduce_block_s(num_programs: int, batch: int, gpu: bool) -> int:
     """Partials an affine reduce program reads at once: about what a request of a fixed-length
     batch splits into, so that most requests take one round trip, and at most 8. (On the H200,
     this kernel with chunks of 16 was 0.4-3 us slower than the general one with rounds of 8,
