@@ -5,7 +5,8 @@ is ``name`` or ``name:KEY=VALUE[,KEY=VALUE]`` (``base`` alone: the defaults); a 
 ``B,H,S[,Q[,PAGE]]``. For every shape, the variants are timed in turn, ``--rounds`` times over
 (interleaved, so that drift between them shows), each as ``jax_mla.bench.timing.device_time``
 with ``min_ms=20`` (the serial chain ``python -m jax_mla.bench`` reports). Knobs are read when
-``mla_attention`` is traced, so every measurement starts from cleared JAX caches. Every variant's
+``mla_attention`` is traced, so every measurement starts from cleared JAX caches, and the
+metadata (whose split plan reads knobs too) is built again. Every variant's
 output is compared with the first variant's (relative error). Writes one JSON row per
 (shape, variant) with every round's µs, and prints a table of the best rounds.
 """
@@ -25,7 +26,7 @@ def main(argv):
     import jax
     import numpy as np
 
-    from jax_mla.bench.decode import Shape, attention_call
+    from jax_mla.bench.decode import Shape, attention_call, call_metadata
     from jax_mla.bench.timing import device_time
 
     rounds = 2
@@ -59,9 +60,11 @@ def main(argv):
         for _ in range(rounds):
             for name, env in variants:
                 use(env)
-                times[name].append(device_time(fn, *args, min_ms=20) * 1e6)
+                q, cache, md = args
+                md = call_metadata(shape, md.block_table, md.seq_lens)  # the plan reads knobs
+                times[name].append(device_time(fn, q, cache, md, min_ms=20) * 1e6)
                 if name not in errs:
-                    out = np.asarray(jax.jit(fn)(*args)[0], np.float32)
+                    out = np.asarray(jax.jit(fn)(q, cache, md)[0], np.float32)
                     if ref is None:
                         ref = out
                     errs[name] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

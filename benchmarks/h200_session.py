@@ -327,6 +327,40 @@ def stage_affine_ab_small():
     _kernel_times("kernel_times_cap8_general", *specs, JAX_MLA_TRITON_AFFINE_REDUCE="0")
 
 
+def _ab(name, variants, specs, rounds=2, timeout=330):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "benchmarks/gpu_ab.py", f"{OUT}/{name}.json", *variants,
+           "--rounds", str(rounds), "--", *specs]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        text = r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        text = f"TIMEOUT\n{e.stdout or ''}"
+    open(f"{OUT}/{name}_log.txt", "w").write(str(text))
+    log(f"{name}:\n" + "\n".join(str(text).strip().splitlines()[-40:]))
+
+
+def stage_plan_ab():
+    """The even-pieces split plan (the default) against the line plan, by the bench's timer."""
+    _ab("plan_ab", ["auto", "line:JAX_MLA_SPLIT_PLAN=line"],
+        ["64,16,4096,4", "64,16,4096,3", "64,16,4096,2", "64,16,4096", "32,16,4096",
+         "128,16,4096", "32,16,8192", "64,16,8192", "8,128,32768"])
+
+
+def stage_plan_block_s():
+    """Reduce chunks sized to the even plan's pieces (2 or 4 a request) against the rule's."""
+    _ab("plan_block_s", ["auto", "bs2:JAX_MLA_TRITON_REDUCE_BLOCK_S=2",
+                         "bs4:JAX_MLA_TRITON_REDUCE_BLOCK_S=4"],
+        ["64,16,4096,4", "128,16,4096", "64,16,4096"], timeout=200)
+
+
+def stage_plan_kernel_times():
+    """CUPTI times of both kernels under each plan."""
+    specs = ["64,16,4096,4", "64,16,4096", "32,16,4096", "128,16,4096", "8,128,32768"]
+    _kernel_times("kernel_times_even", *specs)
+    _kernel_times("kernel_times_line", *specs, JAX_MLA_SPLIT_PLAN="line")
+
+
 def stage_sm90():
     _tune(_sm90_plan, "tune_sm90")
 

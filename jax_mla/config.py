@@ -24,6 +24,11 @@
   directly; for A/B measurements.
 - ``JAX_MLA_TRITON_REDUCE_BLOCK_S``: partials a reduce program reads at once (default: about
   what one request splits into, ``reduce_block_s`` in ``backends/triton.py``; tuning sweeps).
+- ``JAX_MLA_TRITON_REDUCE_BLOCK_L``: latent columns a reduce program of the affine kernel merges
+  (default: ``reduce_block_l``, wider where chunks hold fewer partials; tuning sweeps).
+- ``JAX_MLA_SPLIT_PLAN``: how the split schedule cuts the batch (``jax_mla/schedule.py``):
+  ``auto`` (default) takes the even-pieces plan where it is no longer than the line plan plus
+  one block, ``line`` never takes it, ``even`` takes it wherever it fits; for A/B measurements.
 - ``TRITON_INTERPRET``: Triton's own switch; on CPU jax_mla sets it to 1 if triton is not yet
   imported (see ``backends/triton_launch.py``).
 """
@@ -92,4 +97,18 @@ def triton_affine_reduce() -> bool:
 
 def triton_reduce_block_s() -> int | None:
     v = os.environ.get("JAX_MLA_TRITON_REDUCE_BLOCK_S")
+    return int(v) if v else None
+
+
+def split_plan_mode() -> str:
+    from jax_mla.schedule import PLAN_MODES
+
+    mode = os.environ.get("JAX_MLA_SPLIT_PLAN", "auto").strip().lower() or "auto"
+    if mode not in PLAN_MODES:
+        raise ValueError(f"JAX_MLA_SPLIT_PLAN={mode!r} must be one of {', '.join(PLAN_MODES)}")
+    return mode
+
+
+def triton_reduce_block_l() -> int | None:
+    v = os.environ.get("JAX_MLA_TRITON_REDUCE_BLOCK_L")
     return int(v) if v else None

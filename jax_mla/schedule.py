@@ -8,10 +8,20 @@ FlashMLA's tile scheduler and AITER's persistent planner do: every request costs
 to end, and the line is cut into ``P`` pieces of equal cost. A program's piece may end inside one
 request and go on into the next; each (program, request) overlap is one work. So every program
 does the same amount of work, whatever the mix of lengths, and there is no second wave. There are
-at most ``P + B`` works, the static capacity. When the batch has about as many requests as there
-are programs or more, moving every cut to the nearest request boundary often unbalances the
-programs by a few percent only: then (decided on the device, per call) no request is split and
-there is nothing to merge.
+at most ``P + B`` works, the static capacity. Two other plans are taken instead where they do
+better (decided on the device, per call):
+
+- *whole requests*: when the batch has about as many requests as there are programs or more,
+  moving every cut to the nearest request boundary often unbalances the programs by a few percent
+  only; then no request is split and there is nothing to merge;
+- *even pieces*: the line's cuts fall anywhere in a request, often leaving a sliver of a block or
+  two that still loads the queries and writes a whole partial. With no more requests than
+  programs, each request can instead be cut into ``k_b`` nearly equal pieces of at most ``t``
+  blocks, one piece a program, ``t`` the least size that needs at most ``P`` programs. For fixed
+  lengths that is ``P // B`` equal pieces a request (B64, 132 programs: halves, 128 partials
+  instead of 188). It is taken when its longest program, with every work's overhead counted, is
+  at most ``EVEN_SLACK_BLOCKS`` over the line plan's. On the H200 it was 0-9 % faster a call at
+  nine shapes and slower at none (``benchmarks/results/2026-12-03-h200-even-plan``).
 
 The plan uses AITER's layout (``get_mla_metadata_v1``), so the same reduce consumes both:
 ``work_info_set[w] = (batch_idx, partial_qo_loc, qo_start, qo_end, kv_start, kv_end, kv_offset,
@@ -42,6 +52,11 @@ OVERHEAD_BLOCKS = 1  # fixed cost of a work (query load, output write), in KV bl
 # (num, den) over the equal share: splitting costs more than that in partial writes and the
 # reduce (128 heads, B=128, S=4k on the H200: reduce 49.6 of 628 us, ~8 %).
 NO_SPLIT_SLACK = (1, 16)
+# The even-pieces plan is taken when its longest program is at most this many blocks over the
+# line plan's (both counting every work's overhead): it writes fewer partials, of fewer pieces.
+EVEN_SLACK_BLOCKS = 1
+_GRID = 128  # candidate piece sizes evaluated at once by the even-pieces search
+PLAN_MODES = ("auto", "line", "even")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,19 +107,64 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _pieces(blocks, t):
+    """Pieces of at most ``t`` blocks each request splits into (an empty request: one)."""
+    return jnp.maximum(1, -(-blocks // t))
+
+
+def _least_fitting_piece(blocks, p_count, lo, hi):
+    """About the least ``t`` in ``[lo, hi]`` whose pieces number at most ``p_count``, or ``hi``.
+
+    Two rounds of ``_GRID`` candidates (the piece count falls as ``t`` grows): exact when the
+    window holds at most ``_GRID ** 2`` values."""
+    for _ in range(2):
+        step = jnp.maximum(1, -(-(hi - lo) // (_GRID - 1)))
+        cand = jnp.minimum(lo + step * jnp.arange(_GRID, dtype=jnp.int32), hi)
+        fits = jnp.sum(_pieces(blocks[None, :], cand[:, None]), axis=1) <= p_count
+        i = jnp.argmax(fits)  # the first that fits (hi, the last candidate, if none does)
+        hi = jnp.where(jnp.any(fits), cand[i], hi)
+        lo = jnp.where(i > 0, cand[jnp.maximum(i - 1, 0)] + 1, lo)
+    return hi
+
+
+def _even_piece_cuts(blocks, starts, p_count, big):
+    """The even-pieces plan: request ``b`` in ``k_b`` nearly equal pieces of at most ``t`` blocks,
+    one piece a program, with the least ``t`` that needs at most ``p_count`` programs.
+
+    Returns the program starts in cost units (``big`` for programs left idle) and the plan's
+    longest program (its blocks plus one work's overhead), ``big`` if no ``t`` fits (more requests
+    than programs)."""
+    b = blocks.shape[0]
+    lo = jnp.maximum(1, -(-jnp.sum(blocks) // p_count))
+    hi = jnp.maximum(jnp.max(blocks), lo)
+    t = _least_fitting_piece(blocks, p_count, lo, hi)
+    k = _pieces(blocks, t)
+    ends = jnp.cumsum(k)
+    fits = ends[-1] <= p_count
+    p = jnp.arange(p_count, dtype=jnp.int32)
+    r = jnp.minimum(jnp.searchsorted(ends, p, side="right"), b - 1)
+    j = p - (ends[r] - k[r])  # piece j of request r holds blocks [j n / k, (j + 1) n / k)
+    first = starts[r] + jnp.where(j == 0, 0, OVERHEAD_BLOCKS + (j * blocks[r]) // k[r])
+    cuts = jnp.where(p < ends[-1], first, big)
+    longest = jnp.max(-(-blocks // k)) + OVERHEAD_BLOCKS
+    return cuts, jnp.where(fits, longest, big)
+
+
 @functools.partial(jax.jit, static_argnames=("qlen", "block_n", "num_programs",
-                                             "num_head_blocks"))
-def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_blocks=1
-                ) -> SplitSchedule:
+                                             "num_head_blocks", "mode"))
+def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_blocks=1,
+                mode="auto") -> SplitSchedule:
     """Balanced persistent plan for ``seq_lens [B]`` over ``num_programs`` programs.
 
     Cost units: request ``b`` owns units ``[start_b, start_b + cost_b)`` of one line, unit 0 of it
     the per-work overhead and unit ``1 + k`` its KV block ``k``. Program ``p`` owns units
     ``[p * chunk, (p + 1) * chunk)`` (a start that falls just after a request's overhead unit moves
     back to the request's start), or, when that splits no request at a cost of at most
-    ``NO_SPLIT_SLACK`` over ``chunk``, from the request boundary nearest ``p * chunk``. The works
-    are the pieces between consecutive cut points (request starts and program starts), in order,
-    so each program's works are contiguous.
+    ``NO_SPLIT_SLACK`` over ``chunk``, from the request boundary nearest ``p * chunk``; or, with
+    ``mode`` ``"auto"`` (the default) where the even-pieces plan is at most ``EVEN_SLACK_BLOCKS``
+    longer, or ``"even"`` wherever it fits, from the start of its piece ``p`` (programs past the
+    last piece idle); ``"line"`` never takes it. The works are the pieces between consecutive cut
+    points (request starts and program starts), in order, so each program's works are contiguous.
     """
     b = seq_lens.shape[0]
     p_count = num_programs
@@ -133,6 +193,16 @@ def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_bl
     snapped = jnp.where(prog_cuts - below <= above - prog_cuts, below, above).at[0].set(0)
     longest = jnp.max(jnp.concatenate([snapped[1:], total[None]]) - snapped)
     whole = longest * NO_SPLIT_SLACK[1] <= chunk * (NO_SPLIT_SLACK[1] + NO_SPLIT_SLACK[0])
+    if mode != "line":
+        even_cuts, even_cost = _even_piece_cuts(blocks, starts, p_count, big)
+        # The line plan's honest cost: a program that starts inside a request pays that work's
+        # overhead too (the line counts each request's overhead once, at its start).
+        span = jnp.concatenate([prog_cuts[1:], total[None]]) - prog_cuts
+        span = jnp.where(prog_cuts < total, jnp.minimum(span, total - prog_cuts), 0)
+        inside = starts[rb] != prog_cuts
+        line_cost = jnp.max(span + jnp.where(inside, OVERHEAD_BLOCKS, 0))
+        take = even_cost < big if mode == "even" else even_cost <= line_cost + EVEN_SLACK_BLOCKS
+        prog_cuts = jnp.where(take, even_cuts, prog_cuts)
     prog_cuts = jnp.where(whole, snapped, prog_cuts)
     prog_cuts = jnp.where(prog_cuts < total, prog_cuts, big)
     cuts = jnp.sort(jnp.concatenate([starts, prog_cuts]))

@@ -5,20 +5,36 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_mla.schedule import NO_SPLIT_SLACK, OVERHEAD_BLOCKS, SplitSchedule, plan_splits
+from jax_mla.schedule import (
+    EVEN_SLACK_BLOCKS,
+    NO_SPLIT_SLACK,
+    OVERHEAD_BLOCKS,
+    SplitSchedule,
+    plan_splits,
+)
 
 
-def _plan(lens, *, qlen=1, block_n=16, programs=8):
+def _plan(lens, *, qlen=1, block_n=16, programs=8, mode="auto"):
     lens = np.asarray(lens, np.int32)
     indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    sched = plan_splits(lens, indptr, qlen=qlen, block_n=block_n, num_programs=programs)
+    sched = plan_splits(lens, indptr, qlen=qlen, block_n=block_n, num_programs=programs,
+                        mode=mode)
     return lens, indptr, {k: np.asarray(getattr(sched, k)) for k in (
         "work_indptr", "work_info_set", "num_works", "reduce_indptr", "reduce_final_map",
         "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr")}, sched
 
 
-def _check(lens, qlen, block_n, programs):
-    lens, indptr, p, sched = _plan(lens, qlen=qlen, block_n=block_n, programs=programs)
+def _program_costs(p, block_n, programs):
+    """Each program's KV blocks plus one overhead unit per work (what a work really costs)."""
+    info, wp = p["work_info_set"], p["work_indptr"]
+    return np.array([int(((info[wp[q]:wp[q + 1], 5] - info[wp[q]:wp[q + 1], 4] + block_n - 1)
+                          // block_n).sum()) + int(wp[q + 1] - wp[q]) * OVERHEAD_BLOCKS
+                     for q in range(programs)])
+
+
+def _check(lens, qlen, block_n, programs, mode="line"):
+    lens, indptr, p, sched = _plan(lens, qlen=qlen, block_n=block_n, programs=programs,
+                                   mode=mode)
     b = len(lens)
     n_works = int(p["num_works"][0])
     wp = p["work_indptr"]
@@ -44,18 +60,33 @@ def _check(lens, qlen, block_n, programs):
         if split:  # partial rows are this request's slots, in work order
             slots = p["reduce_partial_map"][p["reduce_indptr"][r]:p["reduce_indptr"][r + 1]]
             np.testing.assert_array_equal(mine[:, 1], slots)
-    # Balance: every program's cost (blocks + the overhead unit of each request it starts) is at
-    # most the equal share plus one unit; a plan that splits nothing may take NO_SPLIT_SLACK more.
+    # Balance. The line plan: every program's cost (blocks + the overhead unit of each request it
+    # starts) is at most the equal share plus one unit; a plan that splits nothing may take
+    # NO_SPLIT_SLACK more. Any other plan: with every work's overhead counted, its longest program
+    # is at most EVEN_SLACK_BLOCKS over the line plan's, or it is a plan that splits nothing.
     cost = (-(-lens // block_n)) + OVERHEAD_BLOCKS
     chunk = max(1, -(-int(cost.sum()) // programs))
     num, den = NO_SPLIT_SLACK
     no_split = p["reduce_indptr"][-1] == 0
     bound = chunk * (den + num) / den if no_split else chunk + OVERHEAD_BLOCKS
-    for q in range(programs):
-        w = info[wp[q]:wp[q + 1]]
-        units = ((w[:, 5] - w[:, 4]) + block_n - 1) // block_n
-        starts = (w[:, 4] == indptr[w[:, 0]]).sum()  # works that hold their request's overhead
-        assert units.sum() + starts * OVERHEAD_BLOCKS <= max(bound, chunk + OVERHEAD_BLOCKS)
+    if mode == "line" or no_split:
+        for q in range(programs):
+            w = info[wp[q]:wp[q + 1]]
+            units = ((w[:, 5] - w[:, 4]) + block_n - 1) // block_n
+            starts = (w[:, 4] == indptr[w[:, 0]]).sum()  # works holding their request's overhead
+            assert units.sum() + starts * OVERHEAD_BLOCKS <= max(bound, chunk + OVERHEAD_BLOCKS)
+    elif mode == "auto":
+        _, _, line, _ = _plan(lens, qlen=qlen, block_n=block_n, programs=programs, mode="line")
+        assert (_program_costs(p, block_n, programs).max()
+                <= _program_costs(line, block_n, programs).max() + EVEN_SLACK_BLOCKS)
+    if mode == "even" and not no_split and b <= programs:
+        # The even-pieces plan (it fits whenever there are no more requests than programs): one
+        # work a program, the pieces of a request within a block of each other.
+        assert np.all(np.diff(wp) <= 1)
+        for r in range(b):
+            mine = info[info[:, 0] == r]
+            n_blk = (mine[:, 5] - mine[:, 4] + block_n - 1) // block_n
+            assert n_blk.max() - n_blk.min() <= 1, (r, n_blk)
     # No piece holds only an overhead unit of a request that has KV (an empty extra partial).
     for r in np.flatnonzero(lens > 0):
         mine = info[info[:, 0] == r]
@@ -84,7 +115,8 @@ def _check(lens, qlen, block_n, programs):
        st.sampled_from([16, 32]), st.integers(1, 24))
 def test_plan_covers_balances_and_maps(lens, qlen, block_n, programs):
     lens = [max(x, 0) for x in lens]
-    _check(lens, qlen, block_n, programs)
+    for mode in ("line", "auto", "even"):
+        _check(lens, qlen, block_n, programs, mode)
 
 
 def test_plan_splits_long_request_across_programs():
@@ -181,14 +213,16 @@ def test_gpu_kernel_config_env_overrides(monkeypatch):
     assert (c.block_m, c.block_n, c.sm90) == (64, 16, False)
 
 
-@pytest.mark.parametrize("layout", ["maps", "affine"])
+@pytest.mark.parametrize("layout,chunk", [("maps", None), ("affine", None), ("affine", (2, 16))])
 @pytest.mark.parametrize("qlen", [1, 3])
-def test_triton_reduce_merges_many_partials_exactly(qlen, layout):
+def test_triton_reduce_merges_many_partials_exactly(qlen, layout, chunk, monkeypatch):
     """Requests split 13 / 1 / 6 / 9 ways (partials empty, -inf or +inf-poisoned among them).
 
     ``maps``: a plan in AITER's layout, partial rows in any order (the general reduce kernel).
     ``affine``: this package's plan, each request's partials consecutive and only the split
-    requests listed, with an unused tail entry (``mla_reduce_affine_kernel``)."""
+    requests listed, with an unused tail entry (``mla_reduce_affine_kernel``); ``chunk``: its
+    (partials, latent columns) per program forced, here 2 and 16, so requests take up to 7
+    rounds and the 40 columns three blocks, the last one partial."""
     import types
 
     import jax
@@ -201,6 +235,9 @@ def test_triton_reduce_merges_many_partials_exactly(qlen, layout):
     platform = current_platform()
     if not triton_importable(platform):
         pytest.skip(f"triton cannot run on {platform} here")
+    if chunk:
+        monkeypatch.setenv("JAX_MLA_TRITON_REDUCE_BLOCK_S", str(chunk[0]))
+        monkeypatch.setenv("JAX_MLA_TRITON_REDUCE_BLOCK_L", str(chunk[1]))
     rng = np.random.default_rng()
     h, lr = 3, 40
     counts = np.array([13, 1, 6, 9])
@@ -257,3 +294,78 @@ def test_triton_reduce_merges_many_partials_exactly(qlen, layout):
         want = (w[..., None] * part[prow]).sum(0) / w.sum(0)[..., None]
         np.testing.assert_allclose(out[rows], want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(lse[rows], m + np.log(w.sum(0)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch,seq,block_n,programs,pieces", [
+    (64, 4096, 128, 132, 2),   # verify at 16 heads (Gluon tile): halves, not thirds with a sliver
+    (32, 4096, 32, 264, 8),    # 16 heads, Q=1
+    (128, 4096, 32, 264, 2),
+    (8, 32768, 128, 66, 8),    # 128 heads: two head blocks of 66 programs
+])
+def test_even_pieces_plan_splits_fixed_lengths_evenly(batch, seq, block_n, programs, pieces):
+    """Fixed lengths: each request in the same number of equal pieces, one a program, so fewer
+    partials than the line plan writes (whose cuts fall anywhere in a request)."""
+    lens = [seq] * batch
+    _check(lens, 1, block_n, programs, "auto")
+    _, _, p, _ = _plan(lens, block_n=block_n, programs=programs)
+    _, _, line, _ = _plan(lens, block_n=block_n, programs=programs, mode="line")
+    info = p["work_info_set"][: int(p["num_works"][0])]
+    np.testing.assert_array_equal(np.bincount(info[:, 0], minlength=batch), pieces)
+    np.testing.assert_array_equal(info[:, 5] - info[:, 4], seq // pieces)
+    assert np.all(np.diff(p["work_indptr"]) <= 1)
+    assert p["reduce_indptr"][-1] == batch * pieces < line["reduce_indptr"][-1]
+
+
+def test_even_pieces_plan_is_left_when_it_would_lengthen_the_longest_program():
+    """B=128, S=32k over 264 programs: halves would cost 513 blocks a program against the line
+    plan's 498 (with every work's overhead), so the line plan stays."""
+    lens = [32768] * 128
+    _, _, p, _ = _plan(lens, block_n=32, programs=264)
+    _, _, line, _ = _plan(lens, block_n=32, programs=264, mode="line")
+    np.testing.assert_array_equal(p["work_info_set"], line["work_info_set"])
+    assert _program_costs(line, 32, 264).max() == 498
+
+
+def test_split_plan_mode_knob(monkeypatch):
+    from jax_mla.config import split_plan_mode
+
+    assert split_plan_mode() == "auto"
+    monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "Line")
+    assert split_plan_mode() == "line"
+    monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "halves")
+    with pytest.raises(ValueError, match="JAX_MLA_SPLIT_PLAN='halves' must be one of"):
+        split_plan_mode()
+
+
+@pytest.mark.parametrize("programs,batch,want", [
+    (132, 64, 2),    # verify at 16 heads: halves
+    (264, 128, 2),
+    (264, 64, 4),
+    (264, 32, 8),
+    (264, 1, 8),     # capped
+    (66, 128, 2),    # more requests than programs: at least 2
+])
+def test_reduce_chunk_is_the_even_plans_pieces(programs, batch, want):
+    """The affine reduce reads a request's pieces in one round trip where the even-pieces plan
+    cut a fixed-length batch (chunks one size up were 2-5 % slower a call on the H200)."""
+    from jax_mla.backends.triton import reduce_block_s
+
+    assert reduce_block_s(programs, batch, gpu=True) == want
+    lens = [4096] * batch
+    if programs >= batch:  # the plan cuts each request into exactly that many pieces or fewer
+        _, _, p, _ = _plan(lens, block_n=32, programs=programs)
+        pieces = np.bincount(p["work_info_set"][: int(p["num_works"][0]), 0], minlength=batch)
+        assert pieces.max() <= max(want, 1) or want == 8
+
+
+@pytest.mark.parametrize("block_s,want", [(2, 64), (4, 32), (8, 16)])
+def test_reduce_column_block_keeps_the_tile_size(block_s, want, monkeypatch):
+    """Fewer partials a chunk, wider latent blocks: the [S, 16, L] tile stays 8 x 16 x 16 floats
+    (on the H200 the reduce took 4.3 instead of 6.4 us at B128 H16 S4k, chunks of 2)."""
+    from jax_mla.backends.triton import reduce_block_l
+
+    assert reduce_block_l(block_s, 512, gpu=True) == want
+    assert reduce_block_l(block_s, 40, gpu=True) == min(want, 64)  # never wider than L
+    assert reduce_block_l(block_s, 512, gpu=False) == 128
+    monkeypatch.setenv("JAX_MLA_TRITON_REDUCE_BLOCK_L", "16")
+    assert reduce_block_l(block_s, 512, gpu=True) == 16

@@ -22,12 +22,14 @@ from jax_mla.backends import current_platform
 from jax_mla.backends.triton_launch import GPU_PLATFORMS, triton_call, triton_importable
 from jax_mla.cache import is_fp8
 from jax_mla.config import (
+    split_plan_mode,
     triton_affine_reduce,
     triton_ctas_per_sm,
     triton_decode_overrides,
     triton_l2_hints,
     triton_max_rows,
     triton_min_block_m,
+    triton_reduce_block_l,
     triton_reduce_block_s,
     triton_sm90_kernel,
     triton_wg_split,
@@ -178,7 +180,7 @@ def plan(metadata, num_heads: int, platform: str) -> SplitSchedule:
 def _plan(metadata, cfg: KernelConfig, platform: str) -> SplitSchedule:
     return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, qlen=metadata.qlen,
                        block_n=cfg.block_n, num_programs=num_programs(cfg, platform),
-                       num_head_blocks=cfg.num_head_blocks)
+                       num_head_blocks=cfg.num_head_blocks, mode=split_plan_mode())
 
 
 class TritonBackend:
@@ -368,14 +370,10 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
     t_rows, h, lr = out.shape
     block_h = min(16, _next_pow2(h))
     gpu = platform in GPU_PLATFORMS
-    # [S, H, L] = 8 x 16 x 16 float32 per program on a GPU: 72 registers a thread (sm_90a), so
-    # ~7 programs per SM hide the latency of each request's chain of loads (8 x 16 x 64 took 249
-    # registers: 2 programs per SM, and 101 us at 128 heads, B=128).
-    block_l = min(16 if gpu else 128, _next_pow2(lr))
-    grid_hl = (math.ceil(h / block_h), math.ceil(lr / block_l))
+    h_blocks = math.ceil(h / block_h)
     out_shapes = [jax.ShapeDtypeStruct(out.shape, out.dtype),
                   jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
-    consts = dict(H=h, L=lr, BLOCK_H=block_h, BLOCK_L=block_l, OFF64=part_out.size >= 2**31,
+    consts = dict(H=h, L=lr, BLOCK_H=block_h, OFF64=part_out.size >= 2**31,
                   L2_HINTS=triton_l2_hints())
     if isinstance(sched, SplitSchedule) and triton_affine_reduce():
         # This package's plans: one program per split request (the plan lists them; a program
@@ -383,12 +381,17 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
         # every request had one), each finding its consecutive partials with one load.
         tiles = sched.reduce_tiles
         block_s = reduce_block_s(sched.num_programs, sched.reduce_final_map.shape[0], gpu)
+        block_l = reduce_block_l(block_s, lr, gpu)
         return triton_call(
             _kernels().mla_reduce_affine_kernel,
             part_out, part_lse, tiles, sched.reduce_tile_ptr, out, lse,
-            grid=(tiles.shape[0], *grid_hl), out_shapes=out_shapes,
+            grid=(tiles.shape[0], h_blocks, math.ceil(lr / block_l)), out_shapes=out_shapes,
             input_output_aliases={4: 0, 5: 1}, platform=platform, num_warps=4, num_stages=1,
-            Q=sched.qlen, BLOCK_S=block_s, **consts)
+            Q=sched.qlen, BLOCK_S=block_s, BLOCK_L=block_l, **consts)
+    # [S, H, L] = 8 x 16 x 16 float32 per program on a GPU: 72 registers a thread (sm_90a), so
+    # ~7 programs per SM hide the latency of each request's chain of loads (8 x 16 x 64 took 249
+    # registers: 2 programs per SM, and 101 us at 128 heads, B=128).
+    block_l = min(16 if gpu else 128, _next_pow2(lr))
     # Plans in AITER's layout (``rocm.planner``): any partial map, a program for every tile (for
     # this package's plans, with JAX_MLA_TRITON_AFFINE_REDUCE=0: for every split request).
     tiles = getattr(sched, "reduce_tiles", None)
@@ -398,14 +401,17 @@ def reduce_partials(part_out, part_lse, sched: SplitSchedule, out, lse, *, platf
         _kernels().mla_reduce_kernel,
         part_out, part_lse, sched.reduce_indptr, sched.reduce_final_map,
         sched.reduce_partial_map, tiles, out, lse,
-        grid=(tiles.shape[0], *grid_hl), out_shapes=out_shapes,
+        grid=(tiles.shape[0], h_blocks, math.ceil(lr / block_l)), out_shapes=out_shapes,
         input_output_aliases={6: 0, 7: 1}, platform=platform, num_warps=4, num_stages=1,
-        BLOCK_S=8 if gpu else 4, MAX_ROWS=sched.qlen, **consts)
+        BLOCK_S=8 if gpu else 4, BLOCK_L=block_l, MAX_ROWS=sched.qlen, **consts)
 
 
 def reduce_block_s(num_programs: int, batch: int, gpu: bool) -> int:
-    """Partials an affine reduce program reads at once: about what a request of a fixed-length
-    batch splits into, so that most requests take one round trip, and at most 8. (On the H200,
+    """Partials an affine reduce program reads at once: what a request of a fixed-length batch
+    splits into under the even-pieces plan, so that most requests take one round trip, and at
+    most 8. (On the H200, same run, chunks of exactly the pieces were faster than one size up:
+    B64 H16 S4k Q4 109.4 vs 114.6 us a call (2 vs 4), B128 S4k 167.2 vs 173.4 (2 vs 4), B64 S4k
+    94.6 vs 97.4 (4 vs 8): ``benchmarks/results/2026-12-03-h200-even-plan``. Earlier,
     this kernel with chunks of 16 was 0.4-3 us slower than the general one with rounds of 8,
     e.g. B32 H16 S4k 9.3 vs 8.7 us and B8 H128 S32k 16.5 vs 13.5, where with chunks of 4-8 it
     was 17-39 % faster: ``benchmarks/results/2026-12-03-h200-affine-reduce``. Capped at 8, it
@@ -415,8 +421,19 @@ def reduce_block_s(num_programs: int, batch: int, gpu: bool) -> int:
         return forced
     if not gpu:
         return 4
-    per = -(-num_programs // max(batch, 1)) + 1
+    per = max(1, num_programs // max(batch, 1))  # what the even-pieces plan cuts a request into
     return max(2, min(_next_pow2(per), 8))
+
+
+def reduce_block_l(block_s: int, lr: int, gpu: bool) -> int:
+    """Latent columns an affine reduce program merges: a ``[block_s, 16, block_l]`` tile of
+    8 x 16 x 16 float32 on a GPU (72 registers a thread on sm_90a, ~7 programs per SM), so chunks
+    of fewer partials take wider column blocks and the grid needs fewer programs."""
+    if (forced := triton_reduce_block_l()) is not None:
+        return forced
+    if not gpu:
+        return min(128, _next_pow2(lr))
+    return min(16 * max(1, 8 // block_s), _next_pow2(lr))
 
 
 def _sm90_kernels():

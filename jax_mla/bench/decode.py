@@ -101,13 +101,19 @@ def roofline(shape: Shape, lens: np.ndarray, seconds: float, ceil: dict, kv_byte
 DEEPSEEK_SCALE = 1 / math.sqrt(192.0)  # pre-absorption head dim 128 + 64
 
 
+def call_metadata(shape: Shape, table, lens, backend: str = "triton"):
+    """The metadata (split plan included) :func:`attention_call` builds; built again after a
+    knob that the plan reads has changed (``benchmarks/gpu_ab.py``)."""
+    return jax.jit(lambda t, n: jax_mla.build_decode_metadata(
+        t, n, page_size=shape.page, qlen=shape.qlen, num_heads=shape.heads,
+        backend=backend))(table, lens)
+
+
 def attention_call(shape: Shape, rng, backend: str = "triton", *, scale=DEEPSEEK_SCALE):
     """``(fn, args)``: one layer's ``mla_attention`` (with LSE) on fresh inputs for ``shape``,
     its metadata built once, as the GPU profiling scripts time it."""
     q, cache, table, lens = make_inputs(shape, rng)
-    md = jax.jit(lambda t, n: jax_mla.build_decode_metadata(
-        t, n, page_size=shape.page, qlen=shape.qlen, num_heads=shape.heads,
-        backend=backend))(table, lens)
+    md = call_metadata(shape, table, lens, backend)
 
     def fn(q, cache, md):
         return jax_mla.mla_attention(q, cache, md, scale=scale, backend=backend, return_lse=True)
