@@ -213,7 +213,8 @@ def test_gpu_kernel_config_env_overrides(monkeypatch):
     assert (c.block_m, c.block_n, c.sm90) == (64, 16, False)
 
 
-@pytest.mark.parametrize("layout,chunk", [("maps", None), ("affine", None), ("affine", (2, 16))])
+@pytest.mark.parametrize("layout,chunk", [("maps", None), ("affine", None), ("affine", (2, 16)),
+                                          ("affine", (2, 64)), ("affine", (4, 32))])
 @pytest.mark.parametrize("qlen", [1, 3])
 def test_triton_reduce_merges_many_partials_exactly(qlen, layout, chunk, monkeypatch):
     """Requests split 13 / 1 / 6 / 9 ways (partials empty, -inf or +inf-poisoned among them).
@@ -221,8 +222,9 @@ def test_triton_reduce_merges_many_partials_exactly(qlen, layout, chunk, monkeyp
     ``maps``: a plan in AITER's layout, partial rows in any order (the general reduce kernel).
     ``affine``: this package's plan, each request's partials consecutive and only the split
     requests listed, with an unused tail entry (``mla_reduce_affine_kernel``); ``chunk``: its
-    (partials, latent columns) per program forced, here 2 and 16, so requests take up to 7
-    rounds and the 40 columns three blocks, the last one partial."""
+    (partials, latent columns) per program forced: with (2, 16) requests take up to 7 rounds
+    and the 40 columns three blocks, the last one partial; (2, 64) and (4, 32) are the GPU's
+    tiles for chunks of 2 and 4."""
     import types
 
     import jax
