@@ -129,18 +129,23 @@ def _decode_plan(d):
     ]
 
 
-def _kernel_times(name, *specs, **env_extra):
+def _script(name, args, timeout, tail, **env_extra):
+    """Run ``python args...`` with the GPU environment; keep its output as ``{name}_log.txt``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra)
     try:
-        r = subprocess.run([sys.executable, "benchmarks/gpu_kernel_times.py",
-                            f"{OUT}/{name}.json", *specs], capture_output=True, text=True,
-                           timeout=240, env=env)
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                           timeout=timeout, env=env)
         text = r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         text = f"TIMEOUT\n{e.stdout or ''}"
     open(f"{OUT}/{name}_log.txt", "w").write(str(text))
-    log(f"{name}:\n" + "\n".join(str(text).strip().splitlines()[-16:]))
+    log(f"{name}:\n" + "\n".join(str(text).strip().splitlines()[-tail:]))
+
+
+def _kernel_times(name, *specs, **env_extra):
+    _script(name, ["benchmarks/gpu_kernel_times.py", f"{OUT}/{name}.json", *specs], 240, 16,
+            **env_extra)
 
 
 def stage_kernel_times():
@@ -299,17 +304,8 @@ def stage_l2_ab():
 
 def stage_gaps():
     """The bench chain's kernels and the idle gaps between them (CUPTI)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    try:
-        r = subprocess.run([sys.executable, "benchmarks/gpu_gaps.py", f"{OUT}/gaps.json",
-                            "32,16,4096", "64,16,4096", "64,16,4096,4", "128,16,4096",
-                            "64,16,8192"],
-                           capture_output=True, text=True, timeout=300, env=env)
-        text = r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        text = f"TIMEOUT\n{e.stdout or ''}"
-    open(f"{OUT}/gaps_log.txt", "w").write(str(text))
-    log("gaps:\n" + "\n".join(str(text).strip().splitlines()[-8:]))
+    _script("gaps", ["benchmarks/gpu_gaps.py", f"{OUT}/gaps.json", "32,16,4096", "64,16,4096",
+                     "64,16,4096,4", "128,16,4096", "64,16,8192"], 300, 8)
 
 
 def stage_affine_ab():
@@ -328,16 +324,8 @@ def stage_affine_ab_small():
 
 
 def _ab(name, variants, specs, rounds=2, timeout=330):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "benchmarks/gpu_ab.py", f"{OUT}/{name}.json", *variants,
-           "--rounds", str(rounds), "--", *specs]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        text = r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        text = f"TIMEOUT\n{e.stdout or ''}"
-    open(f"{OUT}/{name}_log.txt", "w").write(str(text))
-    log(f"{name}:\n" + "\n".join(str(text).strip().splitlines()[-40:]))
+    _script(name, ["benchmarks/gpu_ab.py", f"{OUT}/{name}.json", *variants, "--rounds",
+                   str(rounds), "--", *specs], timeout, 40)
 
 
 def stage_plan_ab():
