@@ -166,6 +166,8 @@ def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_bl
     last piece idle); ``"line"`` never takes it. The works are the pieces between consecutive cut
     points (request starts and program starts), in order, so each program's works are contiguous.
     """
+    if mode not in PLAN_MODES:
+        raise ValueError(f"plan_splits: mode must be one of {PLAN_MODES}, got {mode!r}")
     b = seq_lens.shape[0]
     p_count = num_programs
     cap = p_count + b

@@ -337,6 +337,8 @@ def test_split_plan_mode_knob(monkeypatch):
     monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "halves")
     with pytest.raises(ValueError, match="JAX_MLA_SPLIT_PLAN='halves' must be one of"):
         split_plan_mode()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        _plan([64, 64], mode="halves")
 
 
 @pytest.mark.parametrize("programs,batch,want", [
