@@ -80,6 +80,11 @@ def stage_tests_triton_quick():
                                          "triton and not long_ragged"], 200)
 
 
+def stage_tests_long_ragged():
+    """The long ragged conformance cases (64-row tiles, many splits a request)."""
+    _pytest("long_ragged", ["tests/test_conformance.py", "-k", "triton and long_ragged"], 300)
+
+
 def stage_tests_more():
     _pytest("errors_merge", ["tests/test_errors.py", "tests/test_merge.py"], 200)
 
