@@ -362,6 +362,27 @@ def stage_wg_split():
     _tune(_wg_split_plan, "tune_wg_split")
 
 
+_GRAPH_SHAPES = ["32,16,4096", "64,16,4096", "64,16,4096,4", "128,16,4096", "1,16,1024",
+                 "128,128,4096"]
+# XLA captures a legacy custom call in a CUDA graph only if its target is listed; jax-triton's
+# calls are legacy ``triton_kernel_call``s.
+_GRAPH_VARIANTS = {
+    "default": "",
+    "custom_call": "--xla_gpu_enable_command_buffer=+CUSTOM_CALL",
+    "triton_graphs": "--xla_gpu_enable_command_buffer=+CUSTOM_CALL "
+                     "--legacy_command_buffer_custom_call_targets=triton_kernel_call",
+}
+
+
+def stage_graphs_ab():
+    """The bench's chain with and without the Triton calls captured in CUDA graphs, one process
+    per XLA_FLAGS setting (benchmarks/gpu_graphs.py)."""
+    for name, flags in _GRAPH_VARIANTS.items():
+        _script(f"graphs_{name}", ["benchmarks/gpu_graphs.py", f"{OUT}/graphs_{name}.json",
+                                   *_GRAPH_SHAPES], 180, 8,
+                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+
+
 def stage_dcp():
     from jax_mla.bench.dcp_split import main
 

@@ -122,3 +122,27 @@ def test_gpu_ab_times_each_variant_under_its_own_knobs(tmp_path, monkeypatch):
     assert rows[1]["rel_err_vs_first"] < 1e-2  # two reduce kernels, the same merge
     assert True in seen and False in seen  # each variant traced under its own knob
     assert "JAX_MLA_TRITON_AFFINE_REDUCE" not in os.environ
+
+
+def test_gpu_graphs_reports_capture_time_and_error(tmp_path):
+    """``benchmarks/gpu_graphs.py`` compiles the bench's chain, counts command buffers in it, and
+    checks one Triton call against the XLA backend (out and LSE) in the same process."""
+    import importlib.util
+    import json
+    import pathlib
+
+    if "triton" not in __import__("jax_mla").available_backends():
+        pytest.skip("needs the Triton backend")
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_graphs.py"
+    spec = importlib.util.spec_from_file_location("gpu_graphs", path)
+    gpu_graphs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_graphs)
+    out = tmp_path / "graphs.json"
+    gpu_graphs.main([str(out), "2,2,150", "1,4,40,2,1"])
+    rows = json.loads(out.read_text())
+    assert [r["shape"] for r in rows] == ["B2 H2 S150 Q1 p64", "B1 H4 S40 Q2 p1"]
+    for r in rows:
+        assert r["command_buffers"] == 0  # the CPU compiles no CUDA graphs
+        assert r["us"] > 0
+        assert r["rel_err_vs_xla"] < 1e-2 and r["lse_max_abs_err"] < 1e-2
+        assert r["lse_inf_rows_match"]
