@@ -83,23 +83,31 @@ def test_attention_call_is_one_layer_on_fresh_inputs():
     assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.abs(np.asarray(lse)).max() > 0
 
 
+def _benchmark_script(name):
+    """``benchmarks/{name}.py`` as a module (the GPU scripts are not a package); their CPU tests
+    run the Triton backend through the interpreter."""
+    import importlib.util
+    import pathlib
+
+    if "triton" not in __import__("jax_mla").available_backends():
+        pytest.skip("needs the Triton backend")
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_gpu_ab_times_each_variant_under_its_own_knobs(tmp_path, monkeypatch):
     """``benchmarks/gpu_ab.py`` traces every variant with its own environment (the knobs are read
     at trace time), compares its output with the first variant's, and restores the environment."""
-    import importlib.util
     import json
     import os
-    import pathlib
 
     from jax_mla import config
     from jax_mla.backends import triton as tb
 
-    if "triton" not in __import__("jax_mla").available_backends():
-        pytest.skip("needs the Triton backend")
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_ab.py"
-    spec = importlib.util.spec_from_file_location("gpu_ab", path)
-    gpu_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_ab)
+    gpu_ab = _benchmark_script("gpu_ab")
     assert gpu_ab.parse_variant("base") == ("base", {})
     assert gpu_ab.parse_variant("x:A=1,B=") == ("x", {"A": "1", "B": ""})
 
@@ -127,16 +135,9 @@ def test_gpu_ab_times_each_variant_under_its_own_knobs(tmp_path, monkeypatch):
 def test_gpu_graphs_reports_capture_time_and_error(tmp_path):
     """``benchmarks/gpu_graphs.py`` compiles the bench's chain, counts command buffers in it, and
     checks one Triton call against the XLA backend (out and LSE) in the same process."""
-    import importlib.util
     import json
-    import pathlib
 
-    if "triton" not in __import__("jax_mla").available_backends():
-        pytest.skip("needs the Triton backend")
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_graphs.py"
-    spec = importlib.util.spec_from_file_location("gpu_graphs", path)
-    gpu_graphs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_graphs)
+    gpu_graphs = _benchmark_script("gpu_graphs")
     out = tmp_path / "graphs.json"
     gpu_graphs.main([str(out), "2,2,150", "1,4,40,2,1"])
     rows = json.loads(out.read_text())
