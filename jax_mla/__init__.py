@@ -2,16 +2,18 @@
 
 Public API:
   write_kv_cache         write new tokens' ``[kv_c | k_pe]`` rows into the paged cache
-  build_decode_metadata  jnp-built, jittable metadata for one decode/verify step
+  build_decode_metadata  one step's metadata and plan, built once and shared by every layer
   DecodeMetadata         the metadata pytree
   mla_attention          jitted MLA decode/verify: ``out [T, H, L]`` (+ natural-log ``lse``)
   merge_attn_states      exact LSE merge of two partial attention results
+  build_dcp_metadata     one DCP step's per-rank metadata and plan
   dcp_mla_attention      decode/verify with the cache sharded along the sequence over a mesh axis
   dcp_*                  the DCP sharding rule, slot mapping, cache write and layout helpers
   mla_prefill            varlen (causal) MHA-form prefill attention: ``out [T, H, Dv]`` (+ ``lse``)
   mla_prefill_with_context  prefill over the cached context, in workspace-bounded chunks
   mla_mixed_step         decode rows (absorbed) then prefill rows (MHA) in one step
-  PrefillTritonConfig    tile config of the Triton prefill kernel
+  PrefillTritonConfig, TritonTuning  the Triton backend's prefill tile and decode tuning
+  Target                 where kernels run (platform, arch, cores), for planning ahead of time
   heads                  AITER's head-count rules and exact pad/unpad maps
   available_backends     backends usable on the current platform
 """
@@ -19,11 +21,13 @@ Public API:
 from jax_mla import heads
 from jax_mla.attention import mla_attention
 from jax_mla.backends import available_backends, register_backend, registered_backends
-from jax_mla.backends.triton_prefill import PrefillTritonConfig
+from jax_mla.backends.triton import PrefillTritonConfig, TritonTuning
 from jax_mla.cache import write_kv_cache
 from jax_mla.context import mla_mixed_step, mla_prefill_with_context
 from jax_mla.dcp import (
+    DcpMetadata,
     DcpShardings,
+    build_dcp_metadata,
     dcp_local_metadata,
     dcp_local_seq_lens,
     dcp_max_local_pages,
@@ -37,14 +41,19 @@ from jax_mla.dcp import (
 from jax_mla.merge import merge_attn_states
 from jax_mla.metadata import DecodeMetadata, build_decode_metadata
 from jax_mla.prefill import mla_prefill
+from jax_mla.problem import Target
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DcpMetadata",
     "DcpShardings",
     "DecodeMetadata",
     "PrefillTritonConfig",
+    "Target",
+    "TritonTuning",
     "available_backends",
+    "build_dcp_metadata",
     "build_decode_metadata",
     "dcp_local_metadata",
     "dcp_local_seq_lens",

@@ -1,4 +1,8 @@
-"""The jitted MLA decode/verify entry point: validate -> pad heads -> dispatch -> unpad."""
+"""The jitted MLA decode/verify entry point: validate -> check the plan -> pad -> decode -> unpad.
+
+The entry names no backend: the metadata's plan does (``build_decode_metadata``), or, for
+metadata built without one, the plan made here from the call's arrays (once per trace).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,17 @@ import jax
 import jax.numpy as jnp
 
 from jax_mla import heads as _heads
-from jax_mla.backends import DecodeProblem, current_platform, resolve_backend
+from jax_mla.backends import get_backend
+from jax_mla.backends.base import out_dtype
 from jax_mla.cache import FLOAT_DTYPES, check_cache, is_fp8
-from jax_mla.metadata import DecodeMetadata
+from jax_mla.metadata import plan_decode
+from jax_mla.paged import DecodeMetadata
+from jax_mla.problem import DecodeProblem, Target, current_platform, detect_target, dtype_name
 
 DEFAULT_KV_LORA_RANK = 512  # DeepSeek-V2/V3/R1, Kimi K2
 
 
-def _split_q(q, kv_lora_rank):
+def split_q(q, kv_lora_rank):
     """Canonicalise ``q`` to one ``[T, H, D]`` array and its latent width ``L``."""
     if isinstance(q, (tuple, list)):
         if len(q) != 2:
@@ -58,7 +65,20 @@ def _check_unsupported(alibi_slopes, sliding_window, logits_soft_cap):
             )
 
 
-def _problem(q, kv_cache, md, lr, q_scale):
+def _call_target(q, planned: Target | None) -> Target:
+    """Where this call runs: the platform of a concrete ``q``, else jax's default one. A plan
+    for a GPU traced on a CPU host is trusted (lowering ahead of time for that GPU)."""
+    try:
+        platform = next(iter(q.devices())).platform
+        platform = current_platform() if platform == "gpu" else platform
+    except (AttributeError, TypeError, StopIteration, jax.errors.ConcretizationTypeError):
+        platform = current_platform()
+        if planned is not None and planned.gpu and platform == "cpu":
+            return planned
+    return detect_target(platform)
+
+
+def _problem(q, kv_cache, md, lr, q_scale, kv_scale, return_lse):
     t, h, d = q.shape
     if not isinstance(md, DecodeMetadata):
         raise TypeError(f"metadata must be a jax_mla.DecodeMetadata, got {type(md).__name__}")
@@ -84,11 +104,28 @@ def _problem(q, kv_cache, md, lr, q_scale):
         raise TypeError(f"q dtype {qdt} is not one of bf16, fp16, fp32 or fp8")
     if is_fp8(qdt) and q_scale is None:
         raise ValueError("q is fp8: pass q_scale (the per-tensor dequantisation multiplier)")
+    planned = md.plan.problem.target if md.plan is not None else None
     return DecodeProblem(
-        num_rows=t, num_heads=h, kv_lora_rank=lr, rope_dim=d - lr, qlen=md.qlen,
-        page_size=md.page_size, q_dtype=qdt, kv_dtype=jnp.dtype(kv_cache.dtype),
-        platform=current_platform(),
+        num_seqs=md.num_seqs, qlen=md.qlen, num_heads=h, page_size=md.page_size,
+        max_pages=md.max_pages, kv_lora_rank=lr, rope_dim=d - lr, q_dtype=dtype_name(qdt),
+        kv_dtype=dtype_name(kv_cache.dtype), target=_call_target(q, planned),
+        has_kv_scale=kv_scale is not None, return_lse=bool(return_lse),
     )
+
+
+def _check_plan(plan, problem: DecodeProblem, backend: str) -> None:
+    if backend not in ("auto", plan.backend):
+        raise ValueError(
+            f"the metadata was planned for backend={plan.backend!r} but mla_attention was called "
+            f"with backend={backend!r}: build the metadata for {backend!r} or pass 'auto'"
+        )
+    bad = plan.mismatches(problem)
+    if bad:
+        raise ValueError(
+            f"the metadata's plan (backend={plan.backend!r}) does not match this call: "
+            f"{'; '.join(bad)}. Build the metadata for the call (build_decode_metadata(..., "
+            "num_heads=, q_dtype=, kv_dtype=) or q=/kv_cache= examples)"
+        )
 
 
 def mla_attention(
@@ -115,8 +152,9 @@ def mla_attention(
       metadata: from :func:`jax_mla.build_decode_metadata` for this step.
       scale: softmax scale, the caller's (DeepSeek: pre-absorption ``1/sqrt(192)`` times the YaRN
         mscale^2; never an implicit ``1/sqrt(D)``). Static.
-      backend: ``"auto"`` (best available on this platform), ``"xla"``, ``"triton"``,
-        ``"aiter"``. Static.
+      backend: ``"auto"`` (the metadata's plan, or the best available here), ``"xla"``,
+        ``"triton"``, ``"aiter"``; with a planned metadata it must be ``"auto"`` or the plan's.
+        Static.
       return_lse: also return the natural-log LSE (needed to merge partials, e.g. DCP). Static.
       kv_scale: per-tensor float32 dequantisation multiplier of an fp8 cache.
       q_scale: per-tensor float32 dequantisation multiplier of an fp8 ``q`` (required then).
@@ -129,29 +167,27 @@ def mla_attention(
       ``0 .. seq_lens[b] - Q + t``; a row that sees nothing gives out 0 and lse ``-inf``.
     """
     _check_unsupported(alibi_slopes, sliding_window, logits_soft_cap)
-    q, lr = _split_q(q, kv_lora_rank)
-    problem = _problem(q, kv_cache, metadata, lr, q_scale)
-    if backend == "aiter":
-        _heads.check_num_heads(problem.num_heads, "num_heads (q.shape[1])")
-    impl = resolve_backend(backend, problem.platform)
-    impl.check(problem)
+    q, lr = split_q(q, kv_lora_rank)
+    problem = _problem(q, kv_cache, metadata, lr, q_scale, kv_scale, return_lse)
+    plan = metadata.plan
+    if plan is None:
+        _, plan = plan_decode(problem, backend)
+    else:
+        _check_plan(plan, problem, backend)
     return _mla_attention(q, kv_cache, metadata, q_scale, kv_scale, scale=float(scale),
-                          backend=impl.name, return_lse=bool(return_lse), problem=problem)
+                          return_lse=bool(return_lse), plan=plan)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "backend", "return_lse", "problem"))
-def _mla_attention(q, kv_cache, md, q_scale, kv_scale, *, scale, backend, return_lse, problem):
-    impl = resolve_backend(backend, problem.platform)
-    h = problem.num_heads
-    hp = impl.padded_heads(problem)
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "plan"))
+def _mla_attention(q, kv_cache, md, q_scale, kv_scale, *, scale, return_lse, plan):
+    impl = get_backend(plan.backend)
+    if md.plan is None:  # planned for this call: the plan's arrays are built here, once a trace
+        md = md.replace(plan=plan, schedule=impl.schedule(plan, md))
+    h, hp = plan.problem.num_heads, plan.padded_heads
     qp = _heads.pad_heads(q, h, hp)
-    # A backend whose kernels only return an LSE when asked (aiter) is told whether it is needed.
-    extra = {"return_lse": return_lse} if getattr(impl, "decode_takes_return_lse", False) else {}
-    out, lse = impl.decode(qp, kv_cache, md, scale=scale, kv_lora_rank=problem.kv_lora_rank,
-                           q_scale=q_scale, kv_scale=kv_scale, **extra)
-    out = _heads.unpad_heads(out, h, hp)
-    out_dtype = jnp.bfloat16 if is_fp8(q.dtype) else q.dtype
-    out = out.astype(out_dtype)
+    out, lse = impl.decode(qp, kv_cache, md, plan=plan, scale=scale, q_scale=q_scale,
+                           kv_scale=kv_scale, return_lse=return_lse)
+    out = _heads.unpad_heads(out, h, hp).astype(out_dtype(q.dtype))
     if not return_lse:
         return out
     return out, _heads.unpad_heads(lse, h, hp).astype(jnp.float32)

@@ -1,4 +1,4 @@
-"""Chunked-context prefill and the mixed decode + prefill step (MLA_SPEC.md §2.2, §2.4).
+"""Chunked-context prefill and the mixed decode + prefill step (docs/design.md §9.4, §9.5).
 
 A prefill request may already have ``context_lens[b]`` tokens in the paged latent cache (an
 earlier chunk of a long prompt, or a prefix-cache hit). Its new tokens attend that context (all
@@ -24,16 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_mla.attention import mla_attention
-from jax_mla.backends import current_platform
-from jax_mla.backends.triton_prefill import PrefillTritonConfig
 from jax_mla.cache import FLOAT_DTYPES, check_cache, dequantize
 from jax_mla.merge import merge_attn_states
-from jax_mla.metadata import DecodeMetadata, expand_indptr, flat_slot_ids
-from jax_mla.prefill import (
-    check_cu_seqlens,
-    prefill_attention,
-    resolve_prefill_backend,
-)
+from jax_mla.paged import DecodeMetadata, expand_indptr, flat_slot_ids
+from jax_mla.prefill import check_cu_seqlens, prefill_attention, resolve_prefill
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -142,7 +136,7 @@ def mla_prefill_with_context(
     return_lse: bool = False,
     max_seqlen: int | None = None,
     backend: str = "auto",
-    triton_config: PrefillTritonConfig | None = None,
+    config=None,
 ):
     """MLA prefill of new tokens over their cached context plus themselves (vLLM ``forward_mha``).
 
@@ -162,7 +156,7 @@ def mla_prefill_with_context(
       k_scale: per-tensor float32 dequantisation multiplier of an fp8 cache.
       return_lse: also return the LSE. Static.
       max_seqlen: static bound on new tokens per request (sizes the XLA chunks).
-      backend, triton_config: as in :func:`jax_mla.mla_prefill`.
+      backend, config: as in :func:`jax_mla.mla_prefill`.
 
     Returns:
       ``out [T, H, V]`` in q's dtype, and with ``return_lse`` also ``lse [T, H]`` float32
@@ -176,27 +170,25 @@ def mla_prefill_with_context(
         jnp.asarray(a) for a in (q, kv_c_normed, k_pe, block_table, context_lens, cu_seqlens))
     k_pe, nope = _check_prefill_inputs(q, kv_c_normed, k_pe, kv_cache, block_table, context_lens,
                                        cu_seqlens, kv_b_proj, workspace_tokens)
-    platform = current_platform()
-    impl = resolve_prefill_backend(backend, platform)
+    impl, target = resolve_prefill(backend, q, q, q, config)
     out, lse = _prefill_with_context(
         q, kv_c_normed, k_pe, kv_cache, block_table, context_lens, cu_seqlens, kv_b_proj,
-        k_scale, scale=float(scale), workspace_tokens=workspace_tokens, nope=nope, backend=impl,
-        platform=platform, max_seqlen=max_seqlen, triton_config=triton_config)
+        k_scale, scale=float(scale), workspace_tokens=workspace_tokens, nope=nope,
+        backend=impl.name, target=target, max_seqlen=max_seqlen, config=config)
     return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "workspace_tokens", "nope", "backend",
-                                             "platform", "max_seqlen", "triton_config"))
+                                             "target", "max_seqlen", "config"))
 def _prefill_with_context(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu_seqlens,
                           kv_b_proj, k_scale, *, scale, workspace_tokens, nope, backend,
-                          platform, max_seqlen, triton_config):
+                          target, max_seqlen, config):
     t, h, _ = q.shape
     lrank = kv_c.shape[1]
-    attend = functools.partial(prefill_attention, scale=scale, backend=backend,
-                               platform=platform, max_seqlen=max_seqlen,
-                               triton_config=triton_config)
+    attend = functools.partial(prefill_attention, scale=scale, backend=backend, target=target,
+                               max_seqlen=max_seqlen, config=config)
     k, v = up_project(kv_c, k_pe, kv_b_proj, nope, q.dtype)
-    out_new, lse_new = attend(q, k, v, cu_seqlens, cu_seqlens, causal=True)
+    out_new, lse_new = attend(q, k, v, cu_seqlens, None, causal=True)
 
     context_lens = jnp.maximum(context_lens.astype(jnp.int32), 0)
     with_context = jnp.sum(context_lens > 0, dtype=jnp.int32)
@@ -233,7 +225,7 @@ def mla_mixed_step(
     decode_backend: str = "auto",
     prefill_backend: str = "auto",
     max_seqlen: int | None = None,
-    triton_config: PrefillTritonConfig | None = None,
+    config=None,
 ):
     """One MLA attention step over a batch ordered as vLLM orders it: decode requests first.
 
@@ -259,7 +251,7 @@ def mla_mixed_step(
       workspace_tokens: chunked-context workspace (required with prefill rows). Static.
       k_scale: fp8 cache dequantisation multiplier (both paths).
       decode_backend: backend of :func:`jax_mla.mla_attention`; prefill_backend, max_seqlen,
-        triton_config: as in :func:`mla_prefill_with_context`.
+        config: as in :func:`mla_prefill_with_context`.
 
     Returns:
       ``out [T, H, V]`` in q's dtype.
@@ -290,12 +282,12 @@ def mla_mixed_step(
             q[t_d:], kv_c_normed[t_d:], k_pe[t_d:], kv_cache, prefill_block_table,
             prefill_context_lens, prefill_cu_seqlens, kv_b_proj, scale=scale,
             workspace_tokens=workspace_tokens, k_scale=k_scale, max_seqlen=max_seqlen,
-            backend=prefill_backend, triton_config=triton_config))
+            backend=prefill_backend, config=config))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 def _decode_rows(q, kv_cache, kv_b_proj, md, rope, *, scale, backend, k_scale):
-    """Absorbed decode: ``[T_d, H, P + R]`` -> ``[T_d, H, V]`` (MLA_SPEC.md §2.2 step 6)."""
+    """Absorbed decode: ``[T_d, H, P + R]`` -> ``[T_d, H, V]`` (docs/design.md §1.2)."""
     lrank = kv_b_proj.shape[0]
     nope = q.shape[2] - rope
     prec = _mm_precision(q.dtype)

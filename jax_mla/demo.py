@@ -1,8 +1,9 @@
 """``python -m jax_mla demo``: decode and verify steps on a DeepSeek-shaped paged cache.
 
 Each step is one jitted function, as a model would run it: write the new tokens' latents into the
-cache (donated, in place), build the metadata in jnp, run ``mla_attention``. The error against a
-float64 NumPy oracle and the time per step are printed.
+cache (donated, in place), build the step's metadata and plan once (``build_decode_metadata``
+with the query and cache as examples), run ``mla_attention``. The error against a float64 NumPy
+oracle and the time per step are printed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def step(cache, kv_c, k_pe, slots, q, block_table, seq_lens, *, page_size, qlen, backend, scale):
     """One model step: write new tokens, build metadata, attend. Returns ``(cache, out, lse)``."""
     cache = jax_mla.write_kv_cache(cache, kv_c, k_pe, slots)
-    md = jax_mla.build_decode_metadata(block_table, seq_lens, page_size=page_size, qlen=qlen)
+    md = jax_mla.build_decode_metadata(block_table, seq_lens, page_size=page_size, qlen=qlen,
+                                       q=q, kv_cache=cache, return_lse=True, backend=backend)
     out, lse = jax_mla.mla_attention(q, cache, md, scale=scale, backend=backend, return_lse=True)
     return cache, out, lse
 

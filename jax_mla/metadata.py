@@ -1,162 +1,54 @@
-"""Decode metadata for a paged latent KV cache, built with ``jax.numpy`` (jittable, static shapes).
+"""``build_decode_metadata``: one step's paged-KV views and its plan, decided once.
 
-Built once per step and carried as a pytree; kernels only read it. Two equivalent views of each
-request's KV are kept, because different kernels want different ones:
-
-- the page-level (block-table) form: ``block_table [B, max_pages]`` plus the compact
-  ``page_indptr / page_indices / last_page_len`` triple (FlashInfer's paged-KV convention);
-- AITER's flattened per-token form (page size 1): ``paged_kv_indptr [B+1]`` counts tokens,
-  ``paged_kv_indices [capacity]`` holds flat slot ids ``block_table[b, t // page_size] *
-  page_size + t % page_size``, and ``paged_kv_last_page_len`` is all ones.
-
-Every array has a shape fixed by ``B``, ``max_pages`` and the static capacities, so a jitted step
-does not recompile as lengths change. Unused tails are filled with -1.
+The metadata of a decode/verify step is built once and shared by every layer: the views of the
+block table (``jax_mla.paged``), and, when the problem is known (``num_heads`` and the dtypes,
+or example arrays), the backend's whole route -- kernel family, tile, split plan, reduce --
+as a static :class:`~jax_mla.backends.DecodePlan` plus the plan's arrays. ``mla_attention``
+only reads them; a plan that does not match the call is an error that names both.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any
-
-import jax
 import jax.numpy as jnp
-import numpy as np
+
+from jax_mla.backends import get_backend, require_available, resolve_backend
+from jax_mla.cache import is_fp8
+from jax_mla.paged import DecodeMetadata, paged_views
+from jax_mla.problem import DecodeProblem, as_target, dtype_name
+
+__all__ = ["DecodeMetadata", "build_decode_metadata", "plan_decode"]
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeMetadata:
-    """Everything the decode/verify kernels read for one step.
-
-    Shapes: ``B`` requests, ``Q = qlen`` query tokens each, ``T = B * Q`` rows ordered
-    ``b * Q + t``. ``seq_lens[b]`` counts every token of request ``b`` including its ``Q`` new
-    ones; row ``t`` of request ``b`` attends cache positions ``0 .. seq_lens[b] - Q + t``.
-
-    Attributes:
-      block_table: ``[B, max_pages]`` int32 physical page of each logical page.
-      seq_lens: ``[B]`` int32 KV length of each request.
-      qo_indptr: ``[B + 1]`` int32, ``arange(B + 1) * Q``.
-      page_indptr: ``[B + 1]`` int32 cumsum of pages used, ``ceil(seq_lens / page_size)``.
-      page_indices: ``[B * max_pages]`` int32 used pages of every request, packed; tail -1.
-      last_page_len: ``[B]`` int32 valid rows of each request's last page (0 when empty).
-      paged_kv_indptr: ``[B + 1]`` int32 cumsum of ``seq_lens`` (AITER's token indptr).
-      paged_kv_indices: ``[flat_capacity]`` int32 flat slot of every KV token, packed; tail -1.
-      paged_kv_last_page_len: ``[B]`` int32 ones (page size 1 in the flat view).
-      schedule: optional backend work plan (a pytree) decided when the metadata was built.
-      qlen: static ``Q``.
-      page_size: static page size of the cache the metadata addresses.
-    """
-
-    block_table: jax.Array
-    seq_lens: jax.Array
-    qo_indptr: jax.Array
-    page_indptr: jax.Array
-    page_indices: jax.Array
-    last_page_len: jax.Array
-    paged_kv_indptr: jax.Array
-    paged_kv_indices: jax.Array
-    paged_kv_last_page_len: jax.Array
-    schedule: Any = None
-    qlen: int = 1
-    page_size: int = 1
-
-    @property
-    def num_seqs(self) -> int:
-        return self.block_table.shape[0]
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_seqs * self.qlen
-
-    @property
-    def max_pages(self) -> int:
-        return self.block_table.shape[1]
-
-    @property
-    def max_seq_len(self) -> int:
-        """Static capacity: the most KV tokens one request can hold."""
-        return self.max_pages * self.page_size
-
-    @property
-    def flat_capacity(self) -> int:
-        return self.paged_kv_indices.shape[0]
-
-    def replace(self, **kw) -> DecodeMetadata:
-        return dataclasses.replace(self, **kw)
-
-
-_DATA = [f.name for f in dataclasses.fields(DecodeMetadata) if f.name not in ("qlen", "page_size")]
-jax.tree_util.register_dataclass(DecodeMetadata, data_fields=_DATA,
-                                 meta_fields=["qlen", "page_size"])
-
-
-def uniform_qo_indptr(num_seqs: int, qlen: int) -> jax.Array:
-    """``[0, Q, 2Q, ..., B*Q]`` int32."""
-    return jnp.arange(num_seqs + 1, dtype=jnp.int32) * qlen
-
-
-def expand_indptr(indptr: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For each packed position ``i < capacity``: its segment ``r``, offset in it, and validity."""
-    i = jnp.arange(capacity, dtype=jnp.int32)
-    r = jnp.searchsorted(indptr[1:], i, side="right").astype(jnp.int32)
-    r = jnp.minimum(r, indptr.shape[0] - 2)
-    off = i - indptr[r]
-    return r, off, i < indptr[-1]
-
-
-def flat_slot_ids(block_table, positions, page_size: int, rows=None):
-    """Flat slot ``block_table[row, pos // page_size] * page_size + pos % page_size``."""
-    page = jnp.clip(positions // page_size, 0, block_table.shape[1] - 1)
-    if rows is None:
-        phys = jnp.take_along_axis(block_table, page, 1)
-    else:
-        phys = block_table[rows, page]
-    return phys * page_size + positions % page_size
-
-
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
-def _check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity):
-    if not isinstance(page_size, (int, np.integer)) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if not isinstance(qlen, (int, np.integer)) or qlen < 1:
-        raise ValueError(f"qlen must be a positive int, got {qlen!r}")
-    if block_table.ndim != 2:
-        raise ValueError(
-            f"block_table must be [B, max_pages], got shape {tuple(block_table.shape)}"
-        )
-    if seq_lens.ndim != 1 or seq_lens.shape[0] != block_table.shape[0]:
-        raise ValueError(
-            f"seq_lens must be [B={block_table.shape[0]}], got shape {tuple(seq_lens.shape)}"
-        )
-    for name, a in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array (int32), got {a.dtype}")
-    if flat_capacity is not None and flat_capacity < 0:
-        raise ValueError(f"flat_capacity must be >= 0, got {flat_capacity}")
-    cap = block_table.shape[1] * page_size
-    if _is_concrete(seq_lens):
-        s = np.asarray(seq_lens)
-        if s.size and (s.min() < 0 or s.max() > cap):
-            raise ValueError(
-                f"seq_lens must lie in [0, max_pages * page_size = {cap}], got "
-                f"min {s.min()} max {s.max()}"
-            )
-        if flat_capacity is not None and s.sum() > flat_capacity:
-            raise ValueError(f"sum(seq_lens)={s.sum()} exceeds flat_capacity={flat_capacity}")
+def plan_decode(problem: DecodeProblem, backend: str = "auto", *, tuning=None, options=None):
+    """``(backend object, plan)`` for ``problem``: the backend resolved on the problem's target,
+    its rules checked (before availability, so an unservable problem says why first), then its
+    plan."""
+    target = problem.target
+    impl = resolve_backend("auto", target) if backend == "auto" else get_backend(backend)
+    impl.check(problem)
+    require_available(impl, target)
+    return impl, impl.plan(problem, tuning=tuning, **(options or {}))
 
 
 def build_decode_metadata(
-    block_table: jax.Array,
-    seq_lens: jax.Array,
+    block_table,
+    seq_lens,
     *,
-    page_size: int,
+    page_size: int | None = None,
     qlen: int = 1,
     flat_capacity: int | None = None,
     num_heads: int | None = None,
+    q_dtype=None,
+    kv_dtype=None,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    q=None,
+    kv_cache=None,
+    return_lse: bool = False,
     backend: str = "auto",
+    target=None,
+    tuning=None,
+    options: dict | None = None,
 ) -> DecodeMetadata:
     """Build :class:`DecodeMetadata` for a decode (``qlen=1``) or verify (``qlen>1``) step.
 
@@ -164,64 +56,50 @@ def build_decode_metadata(
       block_table: ``[B, max_pages]`` int32; entries past a request's used pages are never read.
       seq_lens: ``[B]`` int32 KV length per request, including its ``qlen`` new tokens (which
         must already be written into the cache). Lengths below ``qlen`` leave early rows empty.
-      page_size: rows per cache page (static).
+      page_size: rows per cache page (static; default: ``kv_cache.shape[1]``).
       qlen: query tokens per request (static; uniform across the batch).
       flat_capacity: static length of ``paged_kv_indices`` (default ``B * max_pages *
         page_size``, always enough); a smaller value bounds memory when the batch's total length
         is known to fit.
-      num_heads: query heads the step will run with. When given, the backend that
-        ``mla_attention(..., backend=backend)`` will pick on this platform plans its work split
-        now and carries it in ``schedule`` (decided once per step, shared by every layer);
-        otherwise a backend that needs one plans it inside the attention call.
-      backend: the backend to plan for (as in ``mla_attention``).
+      num_heads: query heads of the step. Given (or ``q``), the backend plans the step now: its
+        route and tuning (static, in ``metadata.plan``) and the plan's arrays
+        (``metadata.schedule``), shared by every layer. Without it the metadata has no plan and
+        ``mla_attention`` plans at trace time from the call's arrays.
+      q_dtype, kv_dtype: the query and cache dtypes the step will run with (default: bf16, and
+        the cache like the query).
+      kv_lora_rank, rope_dim: ``L`` and ``R`` (default DeepSeek's 512 and 64).
+      q, kv_cache: example arrays (or ``jax.ShapeDtypeStruct``) to read ``num_heads``, the
+        dtypes, ``L + R`` and ``page_size`` from.
+      return_lse: the calls will ask for the LSE (backends that only make one on request plan
+        for it).
+      backend: ``"auto"`` (the best available on the target) or a registered name.
+      target: platform name or :class:`jax_mla.problem.Target` (default: this process's device).
+      tuning: the backend's tuning object (e.g. ``TritonTuning``); default: the environment's
+        knobs (``jax_mla.env``), read now.
+      options: backend-specific planning options (e.g. AITER's ``arch``, ``num_cu``).
 
     Jittable (every argument but the arrays is static). Lengths outside ``[0, max_pages *
     page_size]`` raise here when they are concrete; under tracing they are clamped.
     """
-    block_table = jnp.asarray(block_table)
-    seq_lens = jnp.asarray(seq_lens)
-    _check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity)
-    if flat_capacity is None:
-        flat_capacity = block_table.shape[0] * block_table.shape[1] * page_size
-    md = _build(block_table, seq_lens, page_size=int(page_size), qlen=int(qlen),
-                flat_capacity=int(flat_capacity))
-    if num_heads is not None:
-        from jax_mla.backends import current_platform, resolve_backend
-
-        platform = current_platform()
-        impl = resolve_backend(backend, platform)
-        if hasattr(impl, "plan"):
-            md = md.replace(schedule=impl.plan(md, int(num_heads), platform))
-    return md
-
-
-@functools.partial(jax.jit, static_argnames=("page_size", "qlen", "flat_capacity"))
-def _build(block_table, seq_lens, *, page_size, qlen, flat_capacity):
-    b, max_pages = block_table.shape
-    block_table = block_table.astype(jnp.int32)
-    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * page_size)
-    zero = jnp.zeros((1,), jnp.int32)
-
-    num_pages = -(-seq_lens // page_size)
-    page_indptr = jnp.concatenate([zero, jnp.cumsum(num_pages, dtype=jnp.int32)])
-    r, off, valid = expand_indptr(page_indptr, b * max_pages)
-    page_indices = jnp.where(valid, block_table[r, jnp.clip(off, 0, max_pages - 1)], -1)
-    last_page_len = jnp.where(seq_lens > 0, seq_lens - (num_pages - 1) * page_size, 0)
-
-    kv_indptr = jnp.concatenate([zero, jnp.cumsum(seq_lens, dtype=jnp.int32)])
-    r, off, valid = expand_indptr(kv_indptr, flat_capacity)
-    kv_indices = jnp.where(valid, flat_slot_ids(block_table, off, page_size, rows=r), -1)
-
-    return DecodeMetadata(
-        block_table=block_table,
-        seq_lens=seq_lens,
-        qo_indptr=uniform_qo_indptr(b, qlen),
-        page_indptr=page_indptr,
-        page_indices=page_indices,
-        last_page_len=last_page_len.astype(jnp.int32),
-        paged_kv_indptr=kv_indptr,
-        paged_kv_indices=kv_indices.astype(jnp.int32),
-        paged_kv_last_page_len=jnp.ones((b,), jnp.int32),
-        qlen=qlen,
-        page_size=page_size,
-    )
+    if q is not None:
+        num_heads = q.shape[1] if num_heads is None else num_heads
+        q_dtype = q.dtype if q_dtype is None else q_dtype
+        rope_dim = q.shape[-1] - kv_lora_rank
+    if kv_cache is not None:
+        kv_dtype = kv_cache.dtype if kv_dtype is None else kv_dtype
+        page_size = kv_cache.shape[1] if page_size is None else page_size
+    if page_size is None:
+        raise ValueError("page_size is required (or pass kv_cache= to read it from)")
+    md = paged_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
+                     flat_capacity=flat_capacity)
+    if num_heads is None:
+        return md
+    q_dtype = jnp.dtype(jnp.bfloat16 if q_dtype is None else q_dtype)
+    kv_dtype = q_dtype if kv_dtype is None else jnp.dtype(kv_dtype)
+    problem = DecodeProblem(
+        num_seqs=md.num_seqs, qlen=md.qlen, num_heads=int(num_heads), page_size=md.page_size,
+        max_pages=md.max_pages, kv_lora_rank=int(kv_lora_rank), rope_dim=int(rope_dim),
+        q_dtype=dtype_name(q_dtype), kv_dtype=dtype_name(kv_dtype), target=as_target(target),
+        has_kv_scale=is_fp8(kv_dtype), return_lse=bool(return_lse))
+    impl, plan = plan_decode(problem, backend, tuning=tuning, options=options)
+    return md.replace(plan=plan, schedule=impl.schedule(plan, md))

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 if importlib.util.find_spec("jax") is not None:
     import jax
 
-    from jax_mla.backends.triton_launch import triton_importable
+    from jax_mla.backends.triton.launch import triton_importable
 
     if jax.default_backend() == "cpu":
         triton_importable("cpu")

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import jax_mla
-from jax_mla import backends as _backends
-from jax_mla.backends import register_backend
+from jax_mla.backends import Backend, DecodePlan, register_backend, unregister_backend
 
 from oracle import mla_decode
 
@@ -120,37 +119,33 @@ def collectives(hlo_text):
 # ------------------------------------------------------------------------------------------------
 
 
-class CallbackBackend:
+class CallbackBackend(Backend):
     """Decodes on the host with the float64 oracle through ``jax.pure_callback``.
 
     Opaque to XLA like a real custom call, pads heads to 16 like AITER, and writes garbage
-    (NaN out, ``+inf`` lse) into rows that see nothing, as some kernels do.
+    (NaN out, ``+inf`` lse) into rows that see nothing, as some kernels do. A whole backend in
+    a few lines: the contract's defaults cover the rest.
     """
 
     name = "dcp_test_callback"
 
-    def is_available(self, platform):
-        return True
+    def plan(self, problem, *, tuning=None, **options):
+        return DecodePlan(self.name, problem, -(-problem.num_heads // 16) * 16)
 
-    def check(self, problem):
-        return None
-
-    def padded_heads(self, problem):
-        return -(-problem.num_heads // 16) * 16
-
-    def decode(self, q, kv_cache, metadata, *, scale, kv_lora_rank, q_scale, kv_scale):
+    def decode(self, q, kv_cache, metadata, *, plan, scale, q_scale, kv_scale, return_lse):
         t, h, _ = q.shape
         md = metadata
+        lr = plan.problem.kv_lora_rank
 
         def host(q, kv, table, lens):
             out, lse = mla_decode(q, kv, table, lens, qlen=md.qlen, page_size=md.page_size,
-                                  scale=scale, kv_lora_rank=kv_lora_rank)
+                                  scale=scale, kv_lora_rank=lr)
             empty = np.isneginf(lse)
             out[empty] = np.nan
             lse[empty] = np.inf
             return out.astype(np.float32), lse.astype(np.float32)
 
-        shapes = (jax.ShapeDtypeStruct((t, h, kv_lora_rank), jnp.float32),
+        shapes = (jax.ShapeDtypeStruct((t, h, lr), jnp.float32),
                   jax.ShapeDtypeStruct((t, h), jnp.float32))
         return jax.pure_callback(host, shapes, q.astype(jnp.float32),
                                  kv_cache.astype(jnp.float32), md.block_table, md.seq_lens)
@@ -164,4 +159,4 @@ def callback_backend():
     try:
         yield b.name
     finally:
-        _backends._REGISTRY.pop(b.name, None)
+        unregister_backend(b.name)

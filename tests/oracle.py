@@ -1,4 +1,4 @@
-"""Float64 NumPy oracles, written from the formulas in MLA_SPEC.md, independent of jax_mla."""
+"""Float64 NumPy oracles, written from the formulas of docs/design.md §1, independent of jax_mla."""
 
 from __future__ import annotations
 

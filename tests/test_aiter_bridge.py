@@ -2,10 +2,10 @@
 
 ``tests/aiter_standin`` is a torch package with AITER's import paths and Python signatures and
 reference math (it checks dtypes, shapes and argument kinds like AITER's host code). With it on
-``sys.path``, ``backend="aiter"`` runs the real bridge (``jax_mla.rocm.bridge``: buffer_callback
-+ ``torch.from_dlpack``) inside ``jax.jit``; results must match the float64 oracle and the xla
-backend. On CPU ``ctx.stream`` is absent; on a CUDA GPU the same tests run the stand-in in torch
-CUDA on XLA's stream. Nothing here has run on AMD hardware.
+``sys.path``, ``backend="aiter"`` runs the real bridge (``jax_mla.backends.aiter.bridge``:
+buffer_callback + ``torch.from_dlpack``) inside ``jax.jit``; results must match the float64 oracle
+and the xla backend. On CPU ``ctx.stream`` is absent; on a CUDA GPU the same tests run the
+stand-in in torch CUDA on XLA's stream. Nothing here has run on AMD hardware.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import pytest
 import jax_mla
 from jax_mla.backends import aiter as aiter_backend
 from jax_mla.backends import resolve_backend
-from jax_mla.rocm import build_aiter_decode_metadata
-from jax_mla.rocm import capabilities as caps
+from jax_mla.backends.aiter import build_aiter_decode_metadata
+from jax_mla.backends.aiter import capabilities as caps
+from jax_mla.problem import detect_target
 
 import oracle
 from aiter_standin.harness import forced_standins
@@ -117,7 +118,7 @@ def test_decode_route_matches_oracle_and_xla(rng, aiter_on, case):
     md = build_aiter_decode_metadata(c.block_table, c.seq_lens, page_size=PS, num_heads=heads,
                                      qlen=qlen, kv_dtype=cache.dtype, arch=arch, num_cu=8,
                                      mtp_decode_qlen=k, dcp_world_size=n)
-    route = md.schedule.route
+    route = md.plan.route
     assert (route.kind, route.persistent) == (kind, persistent)
     before = _snapshot(q, cache, md)
     kw = dict(scale=c.scale, q_scale=q_scale, kv_scale=kv_scale, return_lse=lse_wanted)
@@ -130,7 +131,8 @@ def test_decode_route_matches_oracle_and_xla(rng, aiter_on, case):
                                        q_scale=0.5 if dt == "fp8" else 1.0,
                                        kv_scale=1.5 if dt == "fp8" else 1.0)
     assert oracle.rel_err(_f32(out), want) < 1e-2
-    xla = jax_mla.mla_attention(q, cache, md, backend="xla", **kw)
+    views = md.replace(plan=None, schedule=None)  # the same views, planned by the call for xla
+    xla = jax_mla.mla_attention(q, cache, views, backend="xla", **kw)
     xla_out = xla[0] if lse_wanted else xla
     assert oracle.rel_err(_f32(out), _f32(xla_out)) < 1e-2
     if lse_wanted:
@@ -138,7 +140,7 @@ def test_decode_route_matches_oracle_and_xla(rng, aiter_on, case):
         fin = np.isfinite(want_lse)
         np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], atol=2e-3, rtol=1e-3)
 
-    # What AITER was handed: the seed's head counts, flags and scales.
+    # What AITER was handed: vLLM's head counts, flags and scales.
     if kind == "asm":
         (call,) = aiter.calls("mla_decode_fwd")
         assert call["heads"] == caps.actual_num_heads(heads) == route.kernel_heads
@@ -198,7 +200,7 @@ def test_segmented_dcp_verify_matches_row_oracle(rng, aiter_on, dt):
                                      dcp_world_size=n, dcp_rank=rank,
                                      dcp_tot_seq_lens=jnp.asarray(tot))
     view = md.schedule.dcp_verify
-    assert md.schedule.route.kind == "dcp_verify" and view is not None
+    assert md.plan.route.kind == "dcp_verify" and view is not None
     before = _snapshot(q, cache, md)
     out, lse = jax_mla.mla_attention(q, cache, md, scale=c.scale, backend="aiter",
                                      return_lse=True, q_scale=q_scale, kv_scale=kv_scale)
@@ -206,7 +208,7 @@ def test_segmented_dcp_verify_matches_row_oracle(rng, aiter_on, dt):
     row_lens = np.asarray(view.row_lens)
     bt_rows = np.repeat(c.block_table, qlen, axis=0)
     q_in = _f32(q) * qs
-    if dt == "fp8":  # the seed dequantises q to bf16 before the segmented kernel
+    if dt == "fp8":  # vLLM dequantises q to bf16 before the segmented kernel
         q_in = _f32(jnp.asarray(q_in, jnp.bfloat16))
     want, want_lse = oracle.mla_decode(q_in, _f32(cache), bt_rows, row_lens, qlen=1,
                                        page_size=PS, scale=c.scale, kv_lora_rank=512,
@@ -225,7 +227,7 @@ def test_segmented_dcp_verify_matches_row_oracle(rng, aiter_on, dt):
 def test_persistent_plan_equals_aiters_own_planner(rng, aiter_on):
     # The jnp planner vs the stand-in's port of AITER's planner, both driven through the
     # bridge exactly as vLLM calls get_mla_metadata_info_v1 / get_mla_metadata_v1.
-    from jax_mla.rocm.bridge import aiter_mla_metadata
+    from jax_mla.backends.aiter.bridge import aiter_mla_metadata
 
     aiter = aiter_on("gfx950", cu_num=8)
     lens = np.array([7, 5, 300, 0], np.int32)
@@ -233,7 +235,7 @@ def test_persistent_plan_equals_aiters_own_planner(rng, aiter_on):
     md = build_aiter_decode_metadata(table, lens, page_size=PS, num_heads=16, qlen=4,
                                      arch="gfx950", num_cu=8, mtp_decode_qlen=4)
     plan = md.schedule.plan
-    got = jax.jit(aiter_mla_metadata)(md, md.schedule)
+    got = jax.jit(aiter_mla_metadata)(md)
     names = ["work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
              "reduce_partial_map"]
     n_work = int(plan.work_indptr[-1])
@@ -298,9 +300,10 @@ def test_fp8_ps_prefill_matches_oracle(rng, aiter_on, heads):
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (qn, kn, vn))
     scale = 192 ** -0.5
     be = aiter_backend.AiterBackend()
-    f = jax.jit(lambda q, k, v, cu: be.prefill(q, k, v, cu, scale=scale, max_seqlen=300,
-                                               return_lse=False, kv_cache_fp8=True,
-                                               arch="gfx950"))
+    cfg = aiter_backend.AiterPrefillConfig(kv_cache_fp8=True, arch="gfx950")
+    f = jax.jit(lambda q, k, v, cu: be.prefill(q, k, v, cu, None, scale=scale, causal=True,
+                                               target=detect_target(), max_seqlen=300,
+                                               max_seqlen_k=300, config=cfg, return_lse=False))
     before = _snapshot(q, k, v)
     out, lse = f(q, k, v, jnp.asarray(cu))
     _assert_unchanged(before, q, k, v)
@@ -322,7 +325,7 @@ def test_fp8_ps_prefill_matches_oracle(rng, aiter_on, heads):
 
 
 def test_aiter_backend_refuses_clearly_without_aiter(monkeypatch):
-    from jax_mla.rocm import bridge
+    from jax_mla.backends.aiter import bridge
 
     monkeypatch.setattr(bridge, "aiter_importable", lambda: False)
     for platform in ("rocm", "cpu", "cuda"):
@@ -337,7 +340,7 @@ def test_aiter_backend_refuses_clearly_without_aiter(monkeypatch):
 
 
 def test_aiter_backend_refuses_off_rocm_even_when_importable(monkeypatch):
-    from jax_mla.rocm import bridge
+    from jax_mla.backends.aiter import bridge
 
     monkeypatch.setattr(bridge, "aiter_importable", lambda: True)
     with pytest.raises(RuntimeError, match="runs on ROCm"):
@@ -346,13 +349,11 @@ def test_aiter_backend_refuses_off_rocm_even_when_importable(monkeypatch):
 
 
 def test_auto_picks_aiter_on_rocm_when_importable(monkeypatch):
-    from jax_mla.prefill import resolve_prefill_backend
-    from jax_mla.rocm import bridge
+    from jax_mla.backends.aiter import bridge
 
     monkeypatch.setattr(bridge, "aiter_importable", lambda: True)
-    assert resolve_backend("auto", "rocm").name == "aiter"
+    assert resolve_backend("auto", "rocm").name == "aiter"  # one resolution: decode and prefill
     assert resolve_backend("aiter", "rocm").name == "aiter"
-    assert resolve_prefill_backend("auto", "rocm") == "aiter"
     assert "aiter" in jax_mla.available_backends("rocm")
 
 

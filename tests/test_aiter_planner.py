@@ -1,4 +1,4 @@
-"""The jnp port of AITER's persistent decode planner (MLA_SPEC.md §5.3).
+"""The jnp port of AITER's persistent decode planner (docs/design.md §7.9).
 
 Differential: bit-exact against a statement-by-statement Python port of AITER's two planner
 kernels (tests/aiter_standin/aiter/_metadata_ref.py). Properties: every KV block of every query
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jax_mla import build_decode_metadata
-from jax_mla.rocm import capabilities as caps
-from jax_mla.rocm import planner as pl
+from jax_mla.backends.aiter import capabilities as caps
+from jax_mla.backends.aiter import planner as pl
 
 import oracle
 from aiter_standin.harness import load_metadata_ref
@@ -354,9 +354,10 @@ TRITON_CASES = [
 def test_plan_drives_the_triton_reduce_kernel(rng, case):
     import types
 
-    from jax_mla.backends import current_platform
-    from jax_mla.backends.triton import reduce_partials
-    from jax_mla.backends.triton_launch import triton_importable
+    from jax_mla.backends.triton.decode import reduce_partials
+    from jax_mla.backends.triton.launch import triton_importable
+    from jax_mla.backends.triton.plan import general_reduce_config
+    from jax_mla.problem import current_platform, detect_target
 
     platform = current_platform()
     if not triton_importable(platform):  # on CPU this selects Triton's interpreter
@@ -369,8 +370,10 @@ def test_plan_drives_the_triton_reduce_kernel(rng, case):
                                   reduce_final_map=plan.reduce_final_map,
                                   reduce_partial_map=plan.reduce_partial_map,
                                   qlen=plan.tile_size)
+    config = general_reduce_config(512, detect_target(platform))
     out_t, lse_t = jax.jit(lambda p, p_lse, f, f_lse: reduce_partials(
-        p, p_lse, sched, f, f_lse, platform=platform))(part, part_lse, final, final_lse)
+        p, p_lse, sched, f, f_lse, config=config, platform=platform))(part, part_lse, final,
+                                                                      final_lse)
     out_t = pl.unfold_rows(out_t, qlen, plan.fold_ratio)
     lse_t = pl.unfold_rows(lse_t, qlen, plan.fold_ratio)
     _check_against_oracle(c, qlen, out_t, lse_t)

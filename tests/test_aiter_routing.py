@@ -1,7 +1,7 @@
-"""AITER routing as data: the seed's predicates, gate tables and builder cases (CPU, no aiter).
+"""AITER routing as data: vLLM's predicates, gate tables and builder cases (CPU, no aiter).
 
-MLA_SPEC.md §3.4 (predicates), §3.5.3 step 6 (persistent-schedule gate tables), §3.8 (segment
-merge), §5.2 (kernel tables) and the vLLM unit tests listed in §7.1, §7.2 and §7.4.
+docs/design.md §7.6 (predicates), §7.7 (persistent-schedule gate tables), §4.6 (segment merge),
+§7.8 (kernel tables), §7.10 (uniform-MTP padding) and the cases of vLLM's own unit tests.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_mla.rocm import capabilities as caps
-from jax_mla.rocm.metadata import (
+from jax_mla.backends.aiter import capabilities as caps
+from jax_mla.backends.aiter.schedule import (
     build_aiter_decode_metadata,
     build_dcp_verify_view,
     uniform_padded_mtp_qo_len,
 )
-from jax_mla.rocm.segments import merge_mla_segments
+from jax_mla.backends.aiter.segments import merge_mla_segments
 
 NO_GLUON = caps.AiterBuild(gluon_kernel=False)
 
@@ -31,7 +31,7 @@ def _route(arch, k, qlen, heads, dt="bf16", build=caps.DEFAULT_BUILD, mode="auto
                              mtp_decode_qlen=k, build=build, mode=mode, **kw)
 
 
-# --- §3.5.3 step 6: the persistent-schedule gate, both of vLLM's parametrized tables ------------
+# --- §7.7: the persistent-schedule gate, both of vLLM's parametrized tables --------------------
 
 # (K = _mtp_decode_qlen, qlen, heads, kv dtype) -> persistent?  (gfx950: a Gluon build)
 GATE_TABLE = [
@@ -70,7 +70,7 @@ def test_persistent_metadata_gate(row):
     assert r.kernel_heads == (caps.actual_num_heads(heads) if r.kind == "asm" else heads)
     if r.kind == "asm":
         assert r.zero_fill is (qlen > 1 and not want)
-    # The predicate itself, as the seed evaluates it.
+    # The predicate itself, as vLLM evaluates it.
     gd = caps.use_gluon_decode(heads, qlen, dt, arch="gfx950", mode="auto")
     gv = caps.use_gluon_verify(heads, qlen, dt, arch="gfx950", mode="auto")
     assert caps.use_persistent_schedule(heads, qlen, dt, k, gluon_decode=gd,
@@ -88,7 +88,7 @@ def test_persistent_metadata_gate_without_gluon_build(row, where):
 
 
 def test_gate_admits_bf16_qlen8_on_gfx942_but_no_kernel_exists():
-    # §5.2 caveat (a): the seed's gate says persistent for (8, 16, bf16), but gfx942 has no bf16
+    # docs/design.md §7.8: vLLM's gate says persistent for (8, 16, bf16), but gfx942 has no bf16
     # persistent kernel above qlen 4; gfx950 runs it natively. The kernel check says so early.
     r942 = _route("gfx942", 8, 8, 16)
     assert r942.persistent
@@ -102,7 +102,7 @@ def test_qlen_above_k_runs_non_persistent_and_zero_fills():
     assert r.kind == "asm" and not r.persistent and r.zero_fill
 
 
-# --- §3.4 predicates and the small-head knob (§7.2) ---------------------------------------------
+# --- §7.6 predicates and the small-head knob ---------------------------------------------------
 
 NON_DIVISOR = [3, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15]
 DIVISOR = [1, 2, 4, 8]
@@ -225,7 +225,7 @@ def test_dcp_routes():
         with pytest.raises(RuntimeError, match="requires segmented MLA"):
             _route(arch, 4, 4, 32, dcp_world_size=2, **kw)
     # A tiny DCP config gathers < 16 heads: Gluon is not taken for verify, and decode asks
-    # Gluon for the LSE the DCP combine needs (the seed handed it None there).
+    # Gluon for the LSE the DCP combine needs (vLLM handed it None there).
     r = _route("gfx950", 1, 1, 8, dcp_world_size=2)
     assert r.kind == "gluon_decode" and r.return_lse
 
@@ -248,7 +248,7 @@ def test_kernel_table_checks():
         caps.check_route_kernels(_route("gfx950", 1, 1, 16, "fp16"))
 
 
-# --- §7.1 builder cases --------------------------------------------------------------------------
+# --- builder cases (vLLM's builder tests) --------------------------------------------------------
 
 
 def test_dcp_verify_row_view_is_causal_per_row():
@@ -285,7 +285,7 @@ def test_dcp_fp8_verify_build_uses_segmented():
                                      arch="gfx950", dcp_world_size=2, dcp_rank=0,
                                      dcp_tot_seq_lens=jnp.array([10, 12]))
     assert md.schedule.dcp_verify is not None and md.schedule.plan is None
-    assert md.schedule.route.q_dtype == "fp8"
+    assert md.plan.route.q_dtype == "fp8"
 
 
 @pytest.mark.parametrize("heads", [8, 16, 24, 32, 64, 128])
@@ -316,7 +316,7 @@ def test_mtp_decode_qlen4_keeps_uniform_rows_with_metadata():
                                      page_size=2, num_heads=16, qlen=4, arch="gfx950",
                                      mtp_decode_qlen=4, num_cu=8)
     assert np.asarray(md.qo_indptr).tolist() == [0, 4, 8]
-    assert md.schedule.route.persistent and md.schedule.plan.qlen == 4
+    assert md.plan.route.persistent and md.schedule.plan.qlen == 4
 
 
 def test_min_kv_seq_len_ignores_cudagraph_padding_rows():
@@ -328,7 +328,7 @@ def test_min_kv_seq_len_ignores_cudagraph_padding_rows():
     table = np.arange(b * 65, dtype=np.int32).reshape(b, 65)
     md = build_aiter_decode_metadata(table, lens, page_size=ps, num_heads=12, qlen=qlen,
                                      arch="gfx950", qo_lens=qo)
-    assert md.schedule.route.kind == "gluon_verify"
+    assert md.plan.route.kind == "gluon_verify"
     assert int(md.schedule.min_kv_seq_len) == 1032
 
 
@@ -339,7 +339,7 @@ def test_full_cudagraph_padded_uniform_mtp_synthesizes_decode_indptr():
     assert np.asarray(md.seq_lens).tolist() == [7, 4]
     assert np.asarray(md.paged_kv_indptr).tolist() == [0, 7, 11]
     assert np.asarray(md.qo_indptr).tolist() == [0, 4, 8]
-    assert md.schedule.route.persistent and md.schedule.route.qlen == 4
+    assert md.plan.route.persistent and md.plan.route.qlen == 4
     with pytest.raises(ValueError, match="uniform"):
         build_aiter_decode_metadata(jnp.arange(8).reshape(2, 4), jnp.array([0, 7]),
                                     page_size=2, num_heads=16, qlen=4, arch="gfx950",
@@ -354,11 +354,11 @@ def test_decode_expands_kernel_block_page_indices():
     assert np.asarray(md.paged_kv_last_page_len).tolist() == [1, 1]
 
 
-# --- §7.4: _uniform_padded_mtp_qo_len, exhaustive differential --------------------------------
+# --- §7.10: _uniform_padded_mtp_qo_len, exhaustive differential -------------------------------
 
 
 def _uniform_ref(qo, max_qo, tokens):
-    """The spec's §3.5.2 conditions, written independently."""
+    """The conditions of docs/design.md §7.10, written independently."""
     b = len(qo)
     if b == 0 or tokens <= 0 or tokens <= sum(qo) or tokens % b:
         return 0
@@ -389,7 +389,7 @@ def test_uniform_padded_mtp_qo_len_exhaustive():
                         _uniform_ref(list(qo), max_qo, tokens), (qo, tokens, max_qo)
 
 
-# --- §3.8: the base-2 segment merge ------------------------------------------------------------
+# --- §4.6: the base-2 segment merge ------------------------------------------------------------
 
 
 def test_segmented_verify_reduce_returns_natural_lse_and_masks_empty_rows():

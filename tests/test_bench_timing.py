@@ -1,4 +1,4 @@
-"""The benchmark timer really runs every call it divides by (two bugs seen on the H200)."""
+"""The benchmark timers really run every call they divide by; the A/B and the grid's rows."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ from jax_mla.bench import timing
 
 
 def _compiled(fn, n, *args):
-    return timing._chained(fn, n).lower(*args).compile().as_text()
+    return timing.chained(fn, n).lower(*args).compile().as_text()
 
 
 def test_chain_keeps_every_call_when_outputs_differ_from_inputs():
@@ -48,19 +48,25 @@ def test_device_time_runs_on_cpu():
     assert 0 < t < 1.0
 
 
-def test_decode_tune_checks_every_config_against_xla():
-    import numpy as np
+def test_decode_rows_carry_both_timers_and_match_xla(monkeypatch):
+    import functools
 
     from jax_mla.bench import decode
 
+    # Short chains and few dispatches: this checks the rows, not speed.
+    monkeypatch.setattr(timing, "MIN_MS", 0.2)
+    monkeypatch.setattr(decode, "dispatch_time", functools.partial(timing.dispatch_time, n=2,
+                                                                   reps=1))
+    if "triton" not in __import__("jax_mla").available_backends():
+        pytest.skip("needs the Triton backend")
     shape = decode.Shape(2, 4, 40, qlen=2, page=8)
-    plan = [(shape, [(16, 1, 1, 1), (16, 1, 1, 2, 4)])]
     ceil = {"copy_bytes_per_s": 1e12, "bf16_matmul_flops": 1e14}
-    rows = decode.tune(plan, ceil, np.random.default_rng(0))
-    assert len(rows) == 2
+    rows = decode.run_shape(shape, ["xla", "triton"], ceil, np.random.default_rng(0),
+                            gpu_time=False)
+    assert [r["backend"] for r in rows] == ["xla", "triton"]
     for r in rows:
-        assert "error" not in r, r
-        assert r["us"] > 0 and r["rel_err_vs_xla"] < 1e-2, r
+        assert r["us"] > 0 and r["kernel_us"] > 0 and r["metadata_us"] > 0, r
+        assert r["rel_err_vs_xla"] < 1e-2, r
 
 
 def test_shape_parse_reads_the_gpu_scripts_specs():
@@ -69,8 +75,11 @@ def test_shape_parse_reads_the_gpu_scripts_specs():
     assert Shape.parse("64,16,4096,4") == Shape(64, 16, 4096, qlen=4)
     assert Shape.parse("1,128,1024") == Shape(1, 128, 1024)
     assert Shape.parse("8,16,512,2,1") == Shape(8, 16, 512, qlen=2, page=1)
+    assert Shape.parse("8,128,512,1,64,fp8") == Shape(8, 128, 512, kv="fp8")
     with pytest.raises(ValueError, match="B,H,S"):
         Shape.parse("64,16")
+    with pytest.raises(ValueError, match="KV"):
+        Shape.parse("8,128,512,1,64,int4")
 
 
 def test_attention_call_is_one_layer_on_fresh_inputs():
@@ -83,67 +92,39 @@ def test_attention_call_is_one_layer_on_fresh_inputs():
     assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.abs(np.asarray(lse)).max() > 0
 
 
-def _benchmark_script(name):
-    """``benchmarks/{name}.py`` as a module (the GPU scripts are not a package); their CPU tests
-    run the Triton backend through the interpreter."""
-    import importlib.util
-    import pathlib
-
-    if "triton" not in __import__("jax_mla").available_backends():
-        pytest.skip("needs the Triton backend")
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_ab_times_each_variant_under_its_own_knobs(tmp_path, monkeypatch):
-    """``benchmarks/gpu_ab.py`` traces every variant with its own environment (the knobs are read
-    at trace time), compares its output with the first variant's, and restores the environment."""
+def test_ab_times_each_variant_under_its_own_plan(tmp_path, monkeypatch):
+    """``python -m jax_mla.bench.ab``: every variant is its own plan (its tuning object), traced
+    as such without touching the environment, and compared with the first variant's output."""
     import json
     import os
 
-    from jax_mla import config
-    from jax_mla.backends import triton as tb
+    from jax_mla.backends.triton import TritonTuning
+    from jax_mla.backends.triton import decode as td
+    from jax_mla.bench import ab
 
-    gpu_ab = _benchmark_script("gpu_ab")
-    assert gpu_ab.parse_variant("base") == ("base", {})
-    assert gpu_ab.parse_variant("x:A=1,B=") == ("x", {"A": "1", "B": ""})
+    if "triton" not in __import__("jax_mla").available_backends():
+        pytest.skip("needs the Triton backend")
+    assert ab.parse_variant("base") == ("base", TritonTuning())
+    assert ab.parse_variant("x:affine_reduce=0,block_n=32,split_plan=line") == (
+        "x", TritonTuning(affine_reduce=False, block_n=32, split_plan="line"))
+    with pytest.raises(ValueError, match="not a TritonTuning field"):
+        ab.parse_variant("x:warps=4")
 
     seen = []
-    real = tb.reduce_partials
+    real = td.reduce_partials
 
     def spy(*a, **k):
-        seen.append(config.triton_affine_reduce())
+        seen.append(k["config"].affine)
         return real(*a, **k)
 
-    monkeypatch.setattr(tb, "reduce_partials", spy)
+    monkeypatch.setattr(td, "reduce_partials", spy)
     monkeypatch.delenv("JAX_MLA_TRITON_AFFINE_REDUCE", raising=False)
     out = tmp_path / "ab.json"
-    gpu_ab.main([str(out), "--rounds", "1", "affine", "general:JAX_MLA_TRITON_AFFINE_REDUCE=0",
-                 "--", "1,2,200"])
+    ab.main([str(out), "--rounds", "1", "affine", "general:affine_reduce=0", "--", "1,2,200"])
     rows = json.loads(out.read_text())
     assert [r["variant"] for r in rows] == ["affine", "general"]
-    assert rows[1]["env"] == {"JAX_MLA_TRITON_AFFINE_REDUCE": "0"}
+    assert rows[1]["tuning"]["affine_reduce"] is False
     assert all(len(r["us"]) == 1 and r["best_us"] > 0 for r in rows)
     assert rows[1]["rel_err_vs_first"] < 1e-2  # two reduce kernels, the same merge
-    assert True in seen and False in seen  # each variant traced under its own knob
+    assert True in seen and False in seen  # each variant traced under its own plan
     assert "JAX_MLA_TRITON_AFFINE_REDUCE" not in os.environ
-
-
-def test_gpu_graphs_reports_capture_time_and_error(tmp_path):
-    """``benchmarks/gpu_graphs.py`` compiles the bench's chain, counts command buffers in it, and
-    checks one Triton call against the XLA backend (out and LSE) in the same process."""
-    import json
-
-    gpu_graphs = _benchmark_script("gpu_graphs")
-    out = tmp_path / "graphs.json"
-    gpu_graphs.main([str(out), "2,2,150", "1,4,40,2,1"])
-    rows = json.loads(out.read_text())
-    assert [r["shape"] for r in rows] == ["B2 H2 S150 Q1 p64", "B1 H4 S40 Q2 p1"]
-    for r in rows:
-        assert r["command_buffers"] == 0  # the CPU compiles no CUDA graphs
-        assert r["us"] > 0
-        assert r["rel_err_vs_xla"] < 1e-2 and r["lse_max_abs_err"] < 1e-2
-        assert r["lse_inf_rows_match"]

@@ -169,31 +169,31 @@ def test_auto_is_a_real_backend_and_lse_optional(rng):
     # float32 everywhere; the GPU's accumulation order differs from XLA's, so the bound is on
     # the norm (one element of 1024 was 1.1e-6 off in absolute terms on the H200).
     assert oracle.rel_err(np.asarray(out), np.asarray(ref)) < 1e-5
-    platform = jax.devices()[0].platform
-    if platform in ("cuda", "rocm"):
-        from jax_mla.backends import resolve_backend
+    from jax_mla.backends import resolve_backend
+    from jax_mla.problem import detect_target
 
-        assert resolve_backend("auto", platform).name != "xla"
+    if detect_target().gpu:
+        assert resolve_backend("auto").name != "xla"
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
 def test_triton_many_splits_per_request(rng, monkeypatch):
     """Up to ~7 splits a request (16 programs a head block), ragged lengths, empty requests,
     causal verify rows and two head blocks, through the split kernel and the reduce."""
-    from jax_mla.backends.triton import kernel_config, plan
+    from jax_mla.backends.triton.plan import kernel_config
+    from jax_mla.problem import current_platform
 
-    monkeypatch.setenv("JAX_MLA_TRITON_CTAS_PER_SM", "8")
-    jax.clear_caches()  # the tile is read when mla_attention is traced
+    monkeypatch.setenv("JAX_MLA_TRITON_CTAS_PER_SM", "8")  # read when a plan is built
     case = make_case(rng, seq_lens=[300, 0, 2, 57, 161], qlen=3, num_heads=24, page_size=16,
                      kv_lora_rank=64, rope_dim=32)
-    md = jax_mla.build_decode_metadata(case.block_table, case.seq_lens, page_size=16, qlen=3)
-    platform = jax.devices()[0].platform
-    assert kernel_config(24, 3, 16, platform).num_head_blocks == 2
-    splits = np.diff(np.asarray(plan(md, 24, platform).reduce_indptr))
+    md = jax_mla.build_decode_metadata(case.block_table, case.seq_lens, page_size=16, qlen=3,
+                                       num_heads=24, q_dtype=jnp.float32, kv_lora_rank=64,
+                                       rope_dim=32, backend="triton")
+    assert kernel_config(24, 3, 16, current_platform()).num_head_blocks == 2
+    splits = np.diff(np.asarray(md.schedule.reduce_indptr))
     assert splits.max() >= 4 and (splits == 0).any()  # some requests split, some whole
     out, lse, wo, wl = run(case, "triton")
     check(out, lse, wo, wl, TOL[jnp.float32], jnp.float32)
-    jax.clear_caches()
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
@@ -204,22 +204,21 @@ def test_triton_64_row_tiles_bf16(rng, monkeypatch, num_heads, qlen, page_size, 
     """DeepSeek geometry in bf16 through the 64-row tile: 128 heads, verify blocks of 16 x 4 and
     12 x 3 rows, and 16 x 2 rows padded to 64 on Hopper. On Hopper that tile is the Gluon
     two-warpgroup kernel (kernels/gluon/decode_sm90.py), or with ``sm90`` off the Triton tile
-    with its score columns split between the warpgroups (backends/triton_ttgir.py); elsewhere
+    with its score columns split between the warpgroups (backends/triton/compiler.py); elsewhere
     both ids run the Triton kernel."""
-    from jax_mla.backends.triton import _hopper, kernel_config
+    from jax_mla.backends.triton.plan import kernel_config
+    from jax_mla.problem import detect_target
 
-    monkeypatch.setenv("JAX_MLA_TRITON_SM90_KERNEL", "1" if sm90 else "0")
-    jax.clear_caches()  # the tile is chosen when mla_attention is traced
-    platform = jax.devices()[0].platform
-    cfg = kernel_config(num_heads, qlen, page_size, platform)
-    if _hopper(platform):
+    monkeypatch.setenv("JAX_MLA_TRITON_SM90_KERNEL", "1" if sm90 else "0")  # read at planning
+    target = detect_target()
+    cfg = kernel_config(num_heads, qlen, page_size, target)
+    if target.hopper:
         assert cfg.block_m == 64 and cfg.sm90 == sm90
         assert sm90 or (cfg.wg_split and cfg.num_warps == 8)
     case = make_case(rng, seq_lens=[150, 0, qlen - 1, 64, 77], qlen=qlen, num_heads=num_heads,
                      page_size=page_size)
     out, lse, wo, wl = run(case, "triton", jnp.bfloat16)
     check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
-    jax.clear_caches()
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
@@ -229,18 +228,20 @@ def test_triton_64_row_tiles_long_ragged_bf16(rng, num_heads, qlen, page_size):
     with several works, works with odd numbers of 64-token tiles (the Gluon kernel takes them in
     pairs), requests shorter than the verify block and empty ones. Shorter on CPU (interpreter).
     """
-    from jax_mla.backends.triton import _hopper, kernel_config, plan
+    from jax_mla.backends.triton.plan import kernel_config
+    from jax_mla.problem import detect_target
 
-    platform = jax.devices()[0].platform
-    gpu = platform in ("cuda", "rocm")
+    target = detect_target()
+    gpu = target.gpu
     lens = [20011, 0, qlen - 1, 12345, 777, 64, 129, 3000] if gpu else [300, 0, qlen - 1, 65, 129]
     case = make_case(rng, seq_lens=lens, qlen=qlen, num_heads=num_heads, page_size=page_size)
-    if _hopper(platform):
-        assert kernel_config(num_heads, qlen, page_size, platform).sm90
+    if target.hopper:
+        assert kernel_config(num_heads, qlen, page_size, target).sm90
     if gpu:
         md = jax_mla.build_decode_metadata(case.block_table, case.seq_lens,
-                                           page_size=page_size, qlen=qlen)
-        sched = plan(md, num_heads, platform)
+                                           page_size=page_size, qlen=qlen, num_heads=num_heads,
+                                           backend="triton")
+        sched = md.schedule
         assert np.diff(np.asarray(sched.reduce_indptr)).max() >= 4  # requests split 4+ ways
         assert np.diff(np.asarray(sched.work_indptr)).max() >= 2  # programs with 2+ works
     out, lse, wo, wl = run(case, "triton", jnp.bfloat16)

@@ -1,4 +1,4 @@
-"""DCP sharding rule, slot mapping and layout helper (single device; MLA_SPEC.md section 4)."""
+"""DCP sharding rule, slot mapping and layout helper (single device; docs/design.md §8)."""
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ def _local_pos(p, n, i):
 
 
 def test_chunked_context_example_65_and_96():
-    """MLA_SPEC 7.6: N 4, I 1: context 65 -> [17, 16, 16, 16], 96 -> [24] * 4."""
+    """docs/design.md §8.3: N 4, I 1: context 65 -> [17, 16, 16, 16], 96 -> [24] * 4."""
     got = jax_mla.dcp_local_seq_lens(jnp.array([65, 96]), 4, None, 1)
     np.testing.assert_array_equal(got, [[17, 16, 16, 16], [24, 24, 24, 24]])
     for r, want in enumerate([17, 16, 16, 16]):
@@ -35,7 +35,7 @@ def test_chunked_context_example_65_and_96():
 
 
 def test_verify_row_view_is_causal_per_row():
-    """MLA_SPEC 3.5.3 / 7.1: qlen 4, N 2 rank 0, I 1, block 2, global lens [10, 12]."""
+    """docs/design.md §8.4 and §7.11: qlen 4, N 2 rank 0, I 1, block 2, global lens [10, 12]."""
     lens = jnp.array([10, 12], jnp.int32)
     rows = jax_mla.dcp_verify_row_lens(lens, 4, 2, 0, 1)
     np.testing.assert_array_equal(rows, [4, 4, 5, 5, 5, 5, 6, 6])
@@ -50,7 +50,7 @@ def test_verify_row_view_is_causal_per_row():
 
 
 def test_verify_row_view_static_bound_example():
-    """MLA_SPEC 7.1: N 8, qlen 3, global len 1000 -> rank 0 row lens [125] * 3."""
+    """docs/design.md §8.4: N 8, qlen 3, global len 1000 -> rank 0 row lens [125] * 3."""
     np.testing.assert_array_equal(jax_mla.dcp_verify_row_lens(jnp.array([1000]), 3, 8, 0),
                                   [125, 125, 125])
 

@@ -1,7 +1,7 @@
 """DCP with ``backend="aiter"`` as the local kernel, on an 8-device CPU mesh, against the stand-in.
 
 Each rank's local call runs every query row as its own ``qlen = 1`` request over its shard of
-the cache and must return an LSE, so the AITER route there is the seed's DCP decode: the asm
+the cache and must return an LSE, so the AITER route there is vLLM's DCP decode: the asm
 ``mla_decode_fwd`` with ``return_lse=True`` (persistent plan), for the ``H * N`` gathered heads.
 The schedule is planned inside the attention call, for the arch ``detect_arch`` reports; off
 ROCm that is None, so these tests make it report the stand-in's arch. Nothing here has run on
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import jax_mla
-from jax_mla.rocm import build_aiter_decode_metadata
-from jax_mla.rocm import capabilities as caps
+from jax_mla.backends.aiter import build_aiter_decode_metadata
+from jax_mla.backends.aiter import capabilities as caps
 
 from aiter_standin.harness import forced_standins
 from conftest import make_case
@@ -123,7 +123,7 @@ def test_dcp_aiter_matches_single_device(rng, aiter_dcp, n, interleave):
         print(f"aiter N={n} I={interleave} Q={q} {comb}: rel err out {eo:.2e} lse {el:.2e}")
         assert eo < OUT_TOL and el < LSE_TOL, (q, comb, eo, el)
 
-    # Every local call was the seed's DCP decode: asm, persistent plan, LSE, one query per row,
+    # Every local call was vLLM's DCP decode: asm, persistent plan, LSE, one query per row,
     # for the gathered heads; one call per rank per Q (XLA shares the local call of the two
     # combines: same inputs, same pure custom call).
     calls = aiter.calls("mla_decode_fwd")
@@ -169,7 +169,7 @@ def test_dcp_aiter_compiled_program_never_gathers_the_kv_cache(rng, aiter_dcp, c
 
 
 def test_dcp_aiter_bf16_on_gfx942_is_refused_clearly(rng, aiter_dcp):
-    # gfx942 has no bf16 persistent asm decode that returns an LSE (MLA_SPEC.md 5.2): the
+    # gfx942 has no bf16 persistent asm decode that returns an LSE (docs/design.md §7.8): the
     # DCP local call refuses at trace time rather than failing inside AITER.
     aiter_dcp("gfx942")
     n = 2

@@ -153,7 +153,7 @@ def test_bf16(rng):
 
 
 def test_fp8_query_is_what_gets_all_gathered(rng):
-    """MLA_SPEC 7.6: fp8 q is gathered as fp8; fp8 cache with a kv_scale; same as one device."""
+    """docs/design.md §8.7: fp8 q is gathered as fp8; fp8 cache with a kv_scale; as one device."""
     n, f8 = 4, jnp.float8_e4m3fn
     case = make_case(rng, seq_lens=[4, 45, 90], qlen=1, num_heads=H_TOTAL, page_size=16,
                      kv_lora_rank=L, rope_dim=R)

@@ -15,8 +15,8 @@ SCRIPT = r"""
 import json
 import os
 import re
-from jax_mla.backends.triton import sm90_compile_report
-from jax_mla.backends.triton_launch import ptxas_spills
+from jax_mla.backends.triton.aot import sm90_compile_report
+from jax_mla.backends.triton.launch import ptxas_spills
 out = {}
 for name, h, q, page, hints in [("h128", 128, 1, 64, "1"), ("q4_page1", 16, 4, 1, "1"),
                                 ("q2_page16", 16, 2, 16, "1"),
@@ -34,7 +34,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
 def test_sm90_kernel_compiles_to_its_design():
-    from jax_mla.backends.triton import _gluon_available
+    from jax_mla.backends.triton.plan import gluon_available as _gluon_available
 
     if not _gluon_available():
         pytest.skip("this triton's Gluon lacks the sm_90 kernel's API")
@@ -61,7 +61,7 @@ def test_jax_triton_bridge_compiles_gluon_kernels_and_restores(monkeypatch):
     """``_compile_gluon`` on a stand-in of jax-triton's ``triton_lib`` (jax-triton cannot be
     imported without a GPU jaxlib): the Gluon source class, the Gluon IR entry, the stage swap
     and the launch's total warps are what reach the compile, and the module is restored."""
-    from jax_mla.backends import triton_ttgir
+    from jax_mla.backends.triton import compiler as triton_ttgir
 
     calls = {}
 

@@ -3,7 +3,7 @@
 The decode kernels store partials ``evict_last`` and the reduce reads them ``evict_first``; the
 hints change no result (the conformance suite runs with them), only where the lines live. On the
 H200 the decode kernel ran 1-12 % faster with them at 11 of 14 shapes, the same at B=1, and
-1.4 % slower at B=128, S=32k (``benchmarks/results/2026-12-03-h200-l2hints/``). Here, without a
+1.4 % slower at B=128, S=32k (``benchmarks/results/h200/RESULTS.md``). Here, without a
 GPU: the hints are in the PTX of the Triton kernels compiled for sm_90, and
 ``JAX_MLA_TRITON_L2_HINTS=0`` takes them out. (The Gluon kernel's PTX is checked in
 ``test_gluon_sm90.py``.)
@@ -23,7 +23,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from jax_mla.backends.triton import compile_report
+from jax_mla.backends.triton.aot import compile_report
 from jax_mla.kernels.triton import decode
 
 def compile_ptx(fn, names, types, consts):
@@ -81,10 +81,16 @@ def test_partials_carry_l2_hints_in_the_ptx():
 
 
 def test_l2_hints_knob_reaches_every_kernel(monkeypatch):
-    from jax_mla.backends import triton as tb
-    from jax_mla.schedule import plan_splits
+    from jax_mla.backends.triton import decode as td
+    from jax_mla.backends.triton.plan import (
+        TritonTuning,
+        general_reduce_config,
+        kernel_config,
+        reduce_config,
+    )
+    from jax_mla.backends.triton.schedule import plan_splits
+    from jax_mla.problem import as_target
 
-    cfg = tb.kernel_config(16, 1, 64, "cuda", sm90=False)
     args = dict(num_heads=16, qlen=1, page_size=64, max_pages=4, kv_lora_rank=512, rope_dim=64,
                 scale=0.1)
     seen = {}
@@ -93,7 +99,7 @@ def test_l2_hints_knob_reaches_every_kernel(monkeypatch):
         seen[kernel.__name__] = kw["L2_HINTS"]
         return [np.zeros(s.shape, s.dtype) for s in kw["out_shapes"]]
 
-    monkeypatch.setattr(tb, "triton_call", fake_call)
+    monkeypatch.setattr(td, "triton_call", fake_call)
     sched = types.SimpleNamespace(reduce_indptr=np.zeros(3, np.int32),
                                   reduce_final_map=np.zeros((2, 2), np.int32),
                                   reduce_partial_map=np.zeros(4, np.int32), qlen=1)
@@ -101,14 +107,20 @@ def test_l2_hints_knob_reaches_every_kernel(monkeypatch):
     ours = plan_splits(lens, np.array([0, 100, 107], np.int32), qlen=1, block_n=16,
                        num_programs=4)
     out, lse = np.zeros((2, 16, 512), np.float32), np.zeros((2, 16), np.float32)
+    target = as_target("cuda")
     for value, want in (("0", False), ("1", True), (None, True)):
         if value is None:
             monkeypatch.delenv("JAX_MLA_TRITON_L2_HINTS", raising=False)
         else:
             monkeypatch.setenv("JAX_MLA_TRITON_L2_HINTS", value)
-        assert tb.decode_constexprs(cfg, **args)["L2_HINTS"] is want
-        assert tb.sm90_constexprs(cfg, **args)["L2_HINTS"] is want
-        tb.reduce_partials(out, lse, sched, out, lse, platform="cuda")  # AITER's layout
-        assert seen["mla_reduce_kernel"] is want
-        tb.reduce_partials(out, lse, ours, out, lse, platform="cuda")  # this package's plans
-        assert seen["mla_reduce_affine_kernel"] is want
+        # The knob is read once, when a plan (its tile and reduce) is made.
+        cfg = kernel_config(16, 1, 64, target, sm90=False)
+        tuning = TritonTuning.from_env()
+        assert td.decode_constexprs(cfg, **args)["L2_HINTS"] is want
+        assert td.sm90_constexprs(cfg, **args)["L2_HINTS"] is want
+        general = general_reduce_config(512, target, tuning.l2_hints)
+        td.reduce_partials(out, lse, sched, out, lse, config=general, platform="cuda")
+        assert seen["mla_reduce_kernel"] is want  # AITER's layout
+        affine = reduce_config(4, 2, 512, target, tuning)
+        td.reduce_partials(out, lse, ours, out, lse, config=affine, platform="cuda")
+        assert seen["mla_reduce_affine_kernel"] is want  # this package's plans

@@ -9,7 +9,7 @@ import jax_mla
 
 
 def test_decode_expands_kernel_block_page_indices():
-    """MLA_SPEC §7.1: block 2, table [[10,11,99],[20,21,22]], lens [3,5]."""
+    """docs/design.md §3.4: block 2, table [[10,11,99],[20,21,22]], lens [3,5]."""
     md = jax_mla.build_decode_metadata(
         jnp.array([[10, 11, 99], [20, 21, 22]], jnp.int32), jnp.array([3, 5], jnp.int32),
         page_size=2)

@@ -19,14 +19,15 @@ import pytest
 from test_prefill_oracle import varlen_attention
 
 from jax_mla import PrefillTritonConfig, mla_prefill
-from jax_mla.backends.triton_launch import triton_importable
-from jax_mla.backends.triton_prefill import (
+from jax_mla.backends import resolve_backend
+from jax_mla.backends.triton.launch import triton_importable
+from jax_mla.backends.triton.prefill import (
     head_dim_split,
     num_query_blocks,
     pick_config,
     query_block_table,
 )
-from jax_mla.prefill import prefill_reference, resolve_prefill_backend
+from jax_mla.reference import prefill_reference
 
 from oracle import rel_err
 
@@ -78,7 +79,7 @@ def run(backend, q, k, v, cu, dtype, **kw):
     name, cfg = backend
     cast = lambda x: jnp.asarray(x, dtype)
     return mla_prefill(cast(q), cast(k), cast(v), jnp.asarray(cu), return_lse=True, backend=name,
-                       triton_config=cfg, **kw)
+                       config=cfg, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -152,7 +153,7 @@ def test_all_sequences_empty(rng, backend):
     q = jnp.asarray(rng.standard_normal((4, 2, 16)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((4, 2, 16)), jnp.float32)
     out, lse = mla_prefill(q, q, v, jnp.zeros(3, jnp.int32), scale=1.0, return_lse=True,
-                           backend=backend[0], triton_config=backend[1])
+                           backend=backend[0], config=backend[1])
     np.testing.assert_array_equal(np.asarray(out), 0)
     assert np.all(np.isneginf(np.asarray(lse)))
 
@@ -231,10 +232,10 @@ def test_config_picker_and_head_split():
 
 
 def test_backend_resolution():
-    assert resolve_prefill_backend("auto", "cpu") == "xla"  # CPU never picks the interpreter
-    assert resolve_prefill_backend("xla", "cuda") == "xla"
+    assert resolve_backend("auto", "cpu").name == "xla"  # CPU never picks the interpreter
+    assert resolve_backend("xla", "cuda").name == "xla"
     with pytest.raises(ValueError, match="backend"):
-        resolve_prefill_backend("flash", "cpu")
+        resolve_backend("flash", "cpu")
 
 
 def test_errors(rng):
@@ -267,5 +268,5 @@ def test_errors(rng):
         mla_prefill(x, x, x, cu, cu_seqlens_k=cu[:2], **kw)
     with pytest.raises(ValueError, match="backend"):
         mla_prefill(x, x, x, cu, backend="cudnn", **kw)
-    with pytest.raises(TypeError, match="triton_config"):
-        mla_prefill(x, x, x, cu, triton_config=(128, 64), **kw)
+    with pytest.raises(TypeError, match="config"):
+        mla_prefill(x, x, x, cu, config=(128, 64), **kw)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_prefill_oracle import varlen_attention
 
-from jax_mla.backends.triton_launch import triton_importable
+from jax_mla.backends.triton.launch import triton_importable
 from jax_mla.bench.prefill import (
     PrefillShape,
     _context_case,

@@ -15,8 +15,8 @@ from conftest import has_triton_cuda_backend, run_compiler_script
 SCRIPT = r"""
 import json
 import jax.numpy as jnp
-from jax_mla.backends.triton_launch import ptxas_spills
-from jax_mla.backends.triton_prefill import compile_report
+from jax_mla.backends.triton.launch import ptxas_spills
+from jax_mla.backends.triton.aot import prefill_compile_report as compile_report
 out = {}
 for name, dtype, dqk, dv, causal in [("bf16_192_128_causal", jnp.bfloat16, 192, 128, True),
                                      ("bf16_192_128", jnp.bfloat16, 192, 128, False),

@@ -24,7 +24,7 @@ from jax_mla import (
     mla_prefill,
     mla_prefill_with_context,
 )
-from jax_mla.backends.triton_launch import triton_importable
+from jax_mla.backends.triton.launch import triton_importable
 
 from oracle import logical_kv, rel_err
 
@@ -106,7 +106,7 @@ def run(p, backend, workspace_tokens, dtype=jnp.float32, cache=None, k_scale=Non
         c(p["q"]), c(p["kv_c"]), c(p["k_pe"]), jnp.asarray(p["cache"] if cache is None else cache),
         jnp.asarray(p["table"]), jnp.asarray(p["ctx"]), jnp.asarray(p["cu"]), c(p["w"]),
         scale=p["scale"], workspace_tokens=workspace_tokens, k_scale=k_scale, return_lse=True,
-        backend=backend[0], triton_config=backend[1])
+        backend=backend[0], config=backend[1])
 
 
 def check(got, want, tol=1e-5, lse_tol=1e-5):
@@ -215,7 +215,7 @@ def test_mixed_step_decode_rows_first(rng, backend, qlen):
         jnp.asarray(q), jnp.asarray(new_rows[:, :lrank]), jnp.asarray(new_rows[:, lrank:]),
         jnp.asarray(cache), jnp.asarray(w), md, jnp.asarray(table[2:]), jnp.asarray(pre_ctx),
         jnp.asarray(cu_p), scale=scale, workspace_tokens=8, prefill_backend=backend[0],
-        triton_config=backend[1])
+        config=backend[1])
     # Oracle: every row is a "new token" of its request over the request's earlier tokens.
     ctx_all = np.concatenate([dec_lens - qlen, pre_ctx]).astype(np.int32)
     cu_all = np.concatenate([[0], np.cumsum([qlen, qlen, *pre_new])]).astype(np.int32)

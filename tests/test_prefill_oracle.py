@@ -1,4 +1,4 @@
-"""Float64 NumPy oracles for prefill, written from MLA_SPEC.md §2.4, independent of jax_mla.
+"""Float64 NumPy oracles for prefill, written from docs/design.md §9, independent of jax_mla.
 
 The tests at the bottom check the oracles themselves against the decode oracle (the absorbed form
 of the same attention) and the direct softmax in ``oracle.py``.

@@ -1,11 +1,12 @@
-"""The persistent split plan (``jax_mla/schedule.py``): coverage, balance and the reduce maps."""
+"""The persistent split plan (``jax_mla/backends/triton/schedule.py``): coverage, balance and the
+reduce maps; the Triton backend's tile and reduce rules (``plan.py``)."""
 
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from jax_mla.schedule import (
+from jax_mla.backends.triton.schedule import (
     EVEN_SLACK_BLOCKS,
     NO_SPLIT_SLACK,
     OVERHEAD_BLOCKS,
@@ -165,7 +166,8 @@ def test_gpu_kernel_config(heads, qlen, want):
     """Hopper defaults: 64-row tiles go to the Gluon two-warpgroup kernel (4 warps compiled, a
     4-warp worker partition added), scheduled in 128-token pairs; or, where the Gluon kernel
     cannot serve the call, to the Triton 64-row tile with its score columns split."""
-    from jax_mla.backends.triton import _gluon_available, kernel_config
+    from jax_mla.backends.triton.plan import gluon_available as _gluon_available
+    from jax_mla.backends.triton.plan import kernel_config
 
     if not _gluon_available():
         pytest.skip("this triton has no Gluon with the sm_90 kernel's API")
@@ -183,7 +185,7 @@ def test_gpu_kernel_config(heads, qlen, want):
 def test_sm90_kernel_knob_and_rules(monkeypatch):
     import jax.numpy as jnp
 
-    from jax_mla.backends.triton import kernel_config, sm90_supported
+    from jax_mla.backends.triton.plan import kernel_config, sm90_supported
 
     monkeypatch.setenv("JAX_MLA_TRITON_SM90_KERNEL", "0")
     assert not kernel_config(128, 1, 64, "cuda").sm90
@@ -198,14 +200,14 @@ def test_sm90_kernel_knob_and_rules(monkeypatch):
 
 
 def test_rocm_splits_32_rows_into_two_16_row_blocks():
-    from jax_mla.backends.triton import kernel_config
+    from jax_mla.backends.triton.plan import kernel_config
 
     c = kernel_config(16, 2, 64, "rocm")  # no wgmma: two 16-row blocks sharing the KV via L2
     assert (c.heads_per_block, c.num_head_blocks, c.block_m, c.wg_split) == (8, 2, 16, False)
 
 
 def test_gpu_kernel_config_env_overrides(monkeypatch):
-    from jax_mla.backends.triton import kernel_config
+    from jax_mla.backends.triton.plan import kernel_config
 
     monkeypatch.setenv("JAX_MLA_TRITON_BLOCK_N", "16")
     monkeypatch.setenv("JAX_MLA_TRITON_CTAS_PER_SM", "3")
@@ -235,9 +237,14 @@ def test_triton_reduce_merges_many_partials_exactly(qlen, layout, chunk, monkeyp
     import jax
     import jax.numpy as jnp
 
-    from jax_mla.backends import current_platform
-    from jax_mla.backends.triton import reduce_partials
-    from jax_mla.backends.triton_launch import triton_importable
+    from jax_mla.backends.triton.decode import reduce_partials
+    from jax_mla.backends.triton.launch import triton_importable
+    from jax_mla.backends.triton.plan import (
+        TritonTuning,
+        general_reduce_config,
+        reduce_config,
+    )
+    from jax_mla.problem import current_platform, detect_target
 
     platform = current_platform()
     if not triton_importable(platform):
@@ -264,6 +271,7 @@ def test_triton_reduce_merges_many_partials_exactly(qlen, layout, chunk, monkeyp
     final = rng.standard_normal((b * qlen, h, lr)).astype(np.float32)
     final_lse = rng.standard_normal((b * qlen, h)).astype(np.float32)
     fmap = np.stack([np.arange(b) * qlen, np.arange(b) * qlen + qlen], 1).astype(np.int32)
+    programs = 8
     if layout == "maps":
         sched = types.SimpleNamespace(reduce_indptr=jnp.asarray(indptr),
                                       reduce_final_map=jnp.asarray(fmap),
@@ -271,7 +279,6 @@ def test_triton_reduce_merges_many_partials_exactly(qlen, layout, chunk, monkeyp
     else:
         tiles = np.array([0, 2, 3, -1], np.int32)
         tile_ptr = np.array([[indptr[t], indptr[t + 1]] if t >= 0 else [0, 0] for t in tiles])
-        programs = 8
         sched = SplitSchedule(
             work_indptr=jnp.zeros(programs + 1, jnp.int32),
             work_info_set=jnp.zeros((programs + b, 8), jnp.int32),
@@ -279,7 +286,10 @@ def test_triton_reduce_merges_many_partials_exactly(qlen, layout, chunk, monkeyp
             reduce_final_map=jnp.asarray(fmap), reduce_partial_map=jnp.asarray(pmap),
             reduce_tiles=jnp.asarray(tiles), reduce_tile_ptr=jnp.asarray(tile_ptr, jnp.int32),
             qlen=qlen)
-    out, lse = jax.jit(lambda p, pl_, f, fl: reduce_partials(p, pl_, sched, f, fl,
+    target = detect_target()
+    config = (general_reduce_config(lr, target) if layout == "maps" else
+              reduce_config(programs, b, lr, target, TritonTuning.from_env()))
+    out, lse = jax.jit(lambda p, pl_, f, fl: reduce_partials(p, pl_, sched, f, fl, config=config,
                                                              platform=platform))(
         jnp.asarray(part), jnp.asarray(plse), jnp.asarray(final), jnp.asarray(final_lse))
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
@@ -334,7 +344,7 @@ def test_even_pieces_plan_is_left_when_it_would_lengthen_the_longest_program():
 
 
 def test_split_plan_mode_knob(monkeypatch):
-    from jax_mla.config import split_plan_mode
+    from jax_mla.backends.triton.plan import split_plan_mode
 
     assert split_plan_mode() == "auto"
     monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "Line")
@@ -357,7 +367,7 @@ def test_split_plan_mode_knob(monkeypatch):
 def test_reduce_chunk_is_the_even_plans_pieces(programs, batch, want):
     """The affine reduce reads a request's pieces in one round trip where the even-pieces plan
     cut a fixed-length batch (chunks one size up were 2-5 % slower a call on the H200)."""
-    from jax_mla.backends.triton import reduce_block_s
+    from jax_mla.backends.triton.plan import reduce_block_s
 
     assert reduce_block_s(programs, batch, gpu=True) == want
     lens = [4096] * batch
@@ -371,7 +381,7 @@ def test_reduce_chunk_is_the_even_plans_pieces(programs, batch, want):
 def test_reduce_column_block_keeps_the_tile_size(block_s, want, monkeypatch):
     """Fewer partials a chunk, wider latent blocks: the [S, 16, L] tile stays 8 x 16 x 16 floats
     (on the H200 the reduce took 4.3 instead of 6.4 us at B128 H16 S4k, chunks of 2)."""
-    from jax_mla.backends.triton import reduce_block_l
+    from jax_mla.backends.triton.plan import reduce_block_l
 
     assert reduce_block_l(block_s, 512, gpu=True) == want
     assert reduce_block_l(block_s, 40, gpu=True) == min(want, 64)  # never wider than L

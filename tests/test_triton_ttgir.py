@@ -1,4 +1,4 @@
-"""The TTGIR warpgroup split (backends/triton_ttgir.py): the text rewrite, when it applies, and
+"""The TTGIR warpgroup split (backends/triton/compiler.py): the text rewrite, when it applies, and
 the real decode kernel compiled with it for sm_90 on CPU (no GPU needed).
 
 The split is what halves the 64-row decode tile's score MMAs on Hopper; its numerics are checked
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from jax_mla.backends.triton import kernel_config
-from jax_mla.backends.triton_ttgir import split_broadcast_wgmma
+from jax_mla.backends.triton.compiler import split_broadcast_wgmma
+from jax_mla.backends.triton.plan import kernel_config
 
 from conftest import has_triton_cuda_backend, run_compiler_script
 
@@ -83,8 +83,8 @@ def test_split_is_chosen_for_cuda_64_row_tiles_only(monkeypatch):
 
 SCRIPT = r"""
 import json
-from jax_mla.backends.triton import compile_report
-from jax_mla.backends.triton_launch import ptxas_spills
+from jax_mla.backends.triton.aot import compile_report
+from jax_mla.backends.triton.launch import ptxas_spills
 out = {}
 for name, h, q, page, split in [("h128_base", 128, 1, 64, False), ("h128_split", 128, 1, 64, True),
                                 ("q4_page1_split", 16, 4, 1, True)]:
@@ -132,8 +132,8 @@ def test_only_hopper_gets_the_wgmma_defaults(monkeypatch, cc, want):
 
     import jax
 
-    from jax_mla.backends import triton as tb
+    from jax_mla.problem import detect_target
 
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability=cc)])
-    assert tb._hopper.__wrapped__("cuda") is want
-    assert tb._hopper.__wrapped__("rocm") is False
+    assert detect_target.__wrapped__("cuda").hopper is want
+    assert detect_target.__wrapped__("rocm").hopper is False

@@ -1,8 +1,10 @@
 """``python -m jax_mla.bench``: time every backend on the same shapes, in roofline terms.
 
-Prints a table, writes ``results.json`` and ``results.csv`` (with device, versions and date) to
-``--out``, and optionally a plot. Ratios are against the copy bandwidth and bf16 matmul rate
-measured at the start of the same run, and against the XLA backend measured in the same run.
+Prints a table, writes ``decode.json`` and ``decode.csv`` (with device, versions and date) to
+``--out`` (default: a folder under the system's temp directory, never the repository), and
+optionally a plot. Ratios are against the copy bandwidth and bf16 matmul rate measured at the
+start of the same run, and against the XLA backend measured in the same run. Both timers are
+reported: stream time (``us``) and, on a CUDA GPU, GPU time (``gpu_us``, CUPTI).
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import json
 import os
 import platform
 import sys
+import tempfile
 
 import jax
 import numpy as np
 
 import jax_mla
-from jax_mla.backends import current_platform
 from jax_mla.bench import decode, timing
 from jax_mla.bench.timing import ceilings
+from jax_mla.problem import current_platform
 
+DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "jax_mla_bench")
 
 def environment() -> dict:
     env = {
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default=None, help="comma list (default: all available)")
     p.add_argument("--quick", action="store_true", help="a few small shapes (smoke test)")
     p.add_argument("--tags", default=None, help="only shapes with these tags (comma list)")
-    p.add_argument("--out", default="benchmarks/results/latest")
+    p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--plot", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-ms", type=float, default=20.0,
@@ -129,9 +133,10 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - a shape that fails is data; the rest still run
             rows.append({"shape": shape.name, "backend": "-", "error": repr(e)[:300]})
         write(rows, env, args.out, "decode")  # after every shape: a timeout keeps what ran
-    print_table(rows, ["shape", "backend", "us", "dispatch_us", "kernel_us", "metadata_us",
-                       "kv_TBps", "TFLOPs", "frac_copy", "frac_matmul", "speedup_vs_xla",
-                       "rel_err_vs_xla", "lse_max_abs_err", "error"])
+    print_table(rows, ["shape", "backend", "us", "gpu_us", "launches", "kernel_us",
+                       "metadata_us", "metadata_launches", "kv_TBps", "TFLOPs", "frac_copy",
+                       "frac_matmul", "speedup_vs_xla", "rel_err_vs_xla", "lse_max_abs_err",
+                       "error"])
     if args.plot:
         plot(rows, os.path.join(args.out, "decode.png"))
     return 0

@@ -213,12 +213,12 @@ COLUMNS = ["shape", "world_size", "local_seq_len", "gathered_heads", "local_attn
 
 
 def main(argv=None) -> int:
-    from jax_mla.bench.__main__ import environment, print_table, write
+    from jax_mla.bench.__main__ import DEFAULT_OUT, environment, print_table, write
 
     p = argparse.ArgumentParser(prog="python -m jax_mla.bench.dcp_split",
                                 description="One DCP rank's compute on one device (simulated "
                                             "split): local attention at S/N plus the merge.")
-    p.add_argument("--out", default="benchmarks/results/latest")
+    p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--backend", default="auto", help="the local kernel (default: auto)")
     p.add_argument("--world-sizes", default="2,4,8", help="DCP sizes N (comma list)")

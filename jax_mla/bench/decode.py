@@ -1,4 +1,17 @@
-"""Decode/verify benchmark: every backend on the same shapes, in roofline terms (PERF.md)."""
+"""Decode/verify benchmark: every backend on the same shapes, two timers, in roofline terms.
+
+Each row times one layer's ``mla_attention`` (head padding, kernels, merge, unpadding) with its
+metadata built once, as a model step shares it across layers:
+
+- ``us``: *stream time*, the wall time per call in a chain of dependent calls
+  (``timing.device_time``), and the roofline figures from it (TB/s of KV read, TFLOP/s, fractions
+  of the ceilings measured in the same run; FLOPs and bytes as in docs/design.md §10);
+- ``gpu_us``: *GPU time*, the CUPTI sum of the call's kernels (``profile.kernel_times``, on a
+  CUDA GPU with torch), with ``launches`` per call;
+- ``kernel_us``: the backend's ``decode`` alone (no padding or casts) in the same chain;
+- ``metadata_us`` / ``metadata_gpu_us`` / ``metadata_launches``: building the step's metadata
+  and plan arrays, once per step.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_mla
-from jax_mla.backends import current_platform, resolve_backend
+from jax_mla.backends import get_backend
+from jax_mla.bench import profile
 from jax_mla.bench.timing import device_time, dispatch_time
 from jax_mla.testing import rel_err
 
 L, R = 512, 64
 D = L + R
+KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+DEEPSEEK_SCALE = 1 / math.sqrt(192.0)  # pre-absorption head dim 128 + 64
+FP8_KV_SCALE = 0.05  # the cache stores x / 0.05: unit normals in e4m3's range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,23 +44,31 @@ class Shape:
     page: int = 64
     varlen: bool = False
     tag: str = ""
+    kv: str = "bf16"
 
     @classmethod
     def parse(cls, spec: str) -> Shape:
-        """``"B,H,S[,Q[,PAGE]]"``, e.g. ``"64,16,4096,4"`` (the GPU scripts' command lines)."""
-        v = [int(x) for x in spec.split(",")]
-        if not 3 <= len(v) <= 5:
-            raise ValueError(f"shape {spec!r}: expected B,H,S[,Q[,PAGE]]")
-        return cls(*v[:3], qlen=v[3] if len(v) > 3 else 1, page=v[4] if len(v) > 4 else 64)
+        """``"B,H,S[,Q[,PAGE[,KV]]]"``, e.g. ``"64,16,4096,4"`` or ``"128,128,4096,1,64,fp8"``."""
+        parts = spec.split(",")
+        if not 3 <= len(parts) <= 6:
+            raise ValueError(f"shape {spec!r}: expected B,H,S[,Q[,PAGE[,KV]]]")
+        kv = parts.pop() if len(parts) == 6 else "bf16"
+        if kv not in KV_DTYPES:
+            raise ValueError(f"shape {spec!r}: KV must be one of {tuple(KV_DTYPES)}")
+        v = [int(x) for x in parts]
+        return cls(*v[:3], qlen=v[3] if len(v) > 3 else 1, page=v[4] if len(v) > 4 else 64,
+                   kv=kv)
 
     @property
     def name(self):
         v = " varlen" if self.varlen else ""
-        return f"B{self.batch} H{self.heads} S{self.seq} Q{self.qlen} p{self.page}{v}"
+        k = "" if self.kv == "bf16" else f" {self.kv}"
+        return f"B{self.batch} H{self.heads} S{self.seq} Q{self.qlen} p{self.page}{v}{k}"
 
 
 def target_shapes(quick: bool = False) -> list[Shape]:
-    """The issue's target grid (issue 3) plus the comparisons it asks for."""
+    """The decode grid: 16 heads (memory-bound) and 128 heads (compute-bound), page 1, verify,
+    varlen, B=1 latency, 32 and 64 heads, and fp8 caches."""
     if quick:
         return [Shape(4, 16, 1024), Shape(4, 128, 1024), Shape(4, 16, 1024, qlen=2, page=1)]
     s = [Shape(b, 16, n, tag="h16") for b in (32, 64, 128) for n in (4096, 8192, 32768)]
@@ -54,6 +79,7 @@ def target_shapes(quick: bool = False) -> list[Shape]:
           Shape(128, 16, 8192, varlen=True, tag="varlen")]
     s += [Shape(1, 16, 1024, tag="latency"), Shape(1, 128, 1024, tag="latency")]
     s += [Shape(128, 64, 4096, tag="h64"), Shape(128, 32, 4096, tag="h32")]
+    s += [Shape(64, 16, 4096, tag="fp8", kv="fp8"), Shape(128, 128, 4096, tag="fp8", kv="fp8")]
     return s
 
 
@@ -67,7 +93,8 @@ def lengths(shape: Shape, rng) -> np.ndarray:
     return np.clip(x, shape.qlen, 2 * shape.seq)
 
 
-def make_inputs(shape: Shape, rng, dtype=jnp.bfloat16):
+def make_inputs(shape: Shape, rng):
+    """``(q bf16, cache, block_table, seq_lens, kv_scale or None)`` with shuffled pages."""
     lens = lengths(shape, rng)
     ps = shape.page
     pages = -(-lens // ps)
@@ -81,13 +108,18 @@ def make_inputs(shape: Shape, rng, dtype=jnp.bfloat16):
         k += n
     key = jax.random.key(int(rng.integers(2**31)))
     k1, k2 = jax.random.split(key)
-    cache = jax.random.normal(k1, (total, ps, D), dtype)
-    q = jax.random.normal(k2, (shape.batch * shape.qlen, shape.heads, D), dtype)
-    return q, cache, jnp.asarray(table), jnp.asarray(lens, jnp.int32)
+    kv_dtype = KV_DTYPES[shape.kv]
+    kv_scale = None
+    cache = jax.random.normal(k1, (total, ps, D), jnp.bfloat16)
+    if shape.kv == "fp8":
+        kv_scale = jnp.float32(FP8_KV_SCALE)
+        cache = (cache.astype(jnp.float32) / FP8_KV_SCALE).astype(kv_dtype)
+    q = jax.random.normal(k2, (shape.batch * shape.qlen, shape.heads, D), jnp.bfloat16)
+    return q, cache, jnp.asarray(table), jnp.asarray(lens, jnp.int32), kv_scale
 
 
-def roofline(shape: Shape, lens: np.ndarray, seconds: float, ceil: dict, kv_bytes=2) -> dict:
-    kv = float(lens.sum()) * D * kv_bytes
+def roofline(shape: Shape, lens: np.ndarray, seconds: float, ceil: dict) -> dict:
+    kv = float(lens.sum()) * D * jnp.dtype(KV_DTYPES[shape.kv]).itemsize
     flops = 2.0 * shape.qlen * shape.heads * float(lens.sum()) * (D + L)
     return {
         "us": seconds * 1e6,
@@ -98,122 +130,74 @@ def roofline(shape: Shape, lens: np.ndarray, seconds: float, ceil: dict, kv_byte
     }
 
 
-DEEPSEEK_SCALE = 1 / math.sqrt(192.0)  # pre-absorption head dim 128 + 64
+def builder(shape: Shape, backend: str = "triton", tuning=None):
+    """The step's metadata builder for ``shape`` (plan included), as a jittable function."""
+    def build(table, lens):
+        return jax_mla.build_decode_metadata(
+            table, lens, page_size=shape.page, qlen=shape.qlen, num_heads=shape.heads,
+            q_dtype=jnp.bfloat16, kv_dtype=KV_DTYPES[shape.kv], backend=backend, tuning=tuning)
+
+    return build
 
 
-def call_metadata(shape: Shape, table, lens, backend: str = "triton"):
-    """The metadata (split plan included) :func:`attention_call` builds; built again after a
-    knob that the plan reads has changed (``benchmarks/gpu_ab.py``)."""
-    return jax.jit(lambda t, n: jax_mla.build_decode_metadata(
-        t, n, page_size=shape.page, qlen=shape.qlen, num_heads=shape.heads,
-        backend=backend))(table, lens)
-
-
-def attention_call(shape: Shape, rng, backend: str = "triton", *, scale=DEEPSEEK_SCALE):
+def attention_call(shape: Shape, rng, backend: str = "triton", *, tuning=None,
+                   scale=DEEPSEEK_SCALE):
     """``(fn, args)``: one layer's ``mla_attention`` (with LSE) on fresh inputs for ``shape``,
-    its metadata built once, as the GPU profiling scripts time it."""
-    q, cache, table, lens = make_inputs(shape, rng)
-    md = call_metadata(shape, table, lens, backend)
+    its metadata built once: ``fn(q, cache, md)``."""
+    q, cache, table, lens, kv_scale = make_inputs(shape, rng)
+    md = jax.jit(builder(shape, backend, tuning))(table, lens)
 
     def fn(q, cache, md):
-        return jax_mla.mla_attention(q, cache, md, scale=scale, backend=backend, return_lse=True)
+        return jax_mla.mla_attention(q, cache, md, scale=scale, return_lse=True,
+                                     kv_scale=kv_scale)
 
     return fn, (q, cache, md)
 
 
-def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
-    q, cache, table, lens = make_inputs(shape, rng)
+def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE,
+              gpu_time: bool | None = None) -> list:
+    """One row per backend for ``shape`` (same inputs), errors against the XLA backend."""
+    gpu_time = profile.available() if gpu_time is None else gpu_time
+    q, cache, table, lens, kv_scale = make_inputs(shape, rng)
     lens_np = np.asarray(lens)
     rows, outs = [], {}
     for name in backends:
-        impl = resolve_backend(name, current_platform())
-
-        def build(table, lens, name=name):
-            return jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
-                                                 qlen=shape.qlen, num_heads=shape.heads,
-                                                 backend=name)
-
-        def e2e(q, cache, md, name=name):
-            # What a model calls once per layer: head padding, kernels, merge, unpadding.
-            return jax_mla.mla_attention(q, cache, md, scale=scale, backend=name,
-                                         return_lse=True)
-
+        build = builder(shape, name)
         md = jax.jit(build)(table, lens)
+        impl = get_backend(name)
+
+        def e2e(q, cache, md):
+            # What a model calls once per layer: head padding, kernels, merge, unpadding.
+            return jax_mla.mla_attention(q, cache, md, scale=scale, return_lse=True,
+                                         kv_scale=kv_scale)
 
         def kernels(q, cache, md, impl=impl):
-            return impl.decode(q, cache, md, scale=scale, kv_lora_rank=L, q_scale=None,
-                               kv_scale=None)
+            return impl.decode(q, cache, md, plan=md.plan, scale=scale, q_scale=None,
+                               kv_scale=kv_scale, return_lse=True)
 
         t_e2e = device_time(e2e, q, cache, md)
-        t_dispatch = dispatch_time(e2e, q, cache, md)  # cross-check: an upper bound
-        t_k = device_time(kernels, q, cache, md) if name != "xla" else t_e2e
-        # Metadata (and the split plan) is built once per step and shared by every layer.
-        t_plan = device_time(build, table, lens)
+        row = {"shape": shape.name, "tag": shape.tag, "backend": name,
+               **dataclasses.asdict(shape), **roofline(shape, lens_np, t_e2e, ceil),
+               "dispatch_us": dispatch_time(e2e, q, cache, md) * 1e6,
+               "kernel_us": (device_time(kernels, q, cache, md) if name != "xla" else t_e2e) * 1e6,
+               "metadata_us": device_time(build, table, lens) * 1e6}
+        row["e2e_over_kernel"] = row["us"] / row["kernel_us"]
+        if gpu_time:
+            k = profile.kernel_times(e2e, q, cache, md)
+            m = profile.kernel_times(build, table, lens)
+            row.update(gpu_us=k["gpu_us"], launches=k["launches"], gpu_kernels_us=k["kernels_us"],
+                       metadata_gpu_us=m["gpu_us"], metadata_launches=m["launches"],
+                       metadata_memcpys=m["memcpy_launches"])
         outs[name] = jax.jit(e2e)(q, cache, md)
-        row = {"shape": shape.name, "tag": shape.tag, "backend": name, **dataclasses.asdict(shape),
-               **roofline(shape, lens_np, t_e2e, ceil), "kernel_us": t_k * 1e6,
-               "e2e_over_kernel": t_e2e / t_k, "metadata_us": t_plan * 1e6,
-               "dispatch_us": t_dispatch * 1e6}
         rows.append(row)
     if "xla" in outs:
         ref_o, ref_l = outs["xla"]
+        xla_us = next(r["us"] for r in rows if r["backend"] == "xla")
         for row in rows:
             o, lse = outs[row["backend"]]
             row["rel_err_vs_xla"] = rel_err(o.astype(jnp.float32), ref_o.astype(jnp.float32))
             fin = np.isfinite(np.asarray(ref_l))
             row["lse_max_abs_err"] = float(np.max(np.abs(np.asarray(lse)[fin]
                                                           - np.asarray(ref_l)[fin])))
-            row["speedup_vs_xla"] = [r for r in rows if r["backend"] == "xla"][0]["us"] / row["us"]
-    return rows
-
-
-def tune(plan, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
-    """Kernel-only time of the Triton backend per tile config (env overrides) and shape.
-
-    ``plan`` is a list of ``(Shape, [(block_n, num_warps, num_stages, ctas_per_sm[, max_rows
-    [, wg_split[, min_block_m[, sm90]]]]), ...])``; a ``None`` leaves that knob at its default
-    (``sm90``: the Gluon kernel for 64-row tiles on Hopper).
-    """
-    import os
-
-    impl = resolve_backend("triton", current_platform())
-    names = ("JAX_MLA_TRITON_BLOCK_N", "JAX_MLA_TRITON_WARPS", "JAX_MLA_TRITON_STAGES",
-             "JAX_MLA_TRITON_CTAS_PER_SM", "JAX_MLA_TRITON_MAX_ROWS", "JAX_MLA_TRITON_WG_SPLIT",
-             "JAX_MLA_TRITON_MIN_BLOCK_M", "JAX_MLA_TRITON_SM90_KERNEL")
-    rows = []
-    for shape, configs in plan:
-        q, cache, table, lens = make_inputs(shape, rng)
-        # Every config's output is checked against the XLA backend on the same inputs.
-        ref_md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page, qlen=shape.qlen,
-                                               num_heads=shape.heads, backend="xla")
-        ref = jax_mla.mla_attention(q, cache, ref_md, scale=scale, backend="xla")
-        ref = np.asarray(ref.astype(jnp.float32))
-        for cfg in configs:
-            env = {k: v for k, v in zip(names, cfg) if v is not None}
-            os.environ.update({k: str(int(v)) for k, v in env.items()})
-            row = {"shape": shape.name, "block_n": cfg[0], "num_warps": cfg[1],
-                   "num_stages": cfg[2], "ctas_per_sm": cfg[3] if len(cfg) > 3 else None,
-                   "max_rows": cfg[4] if len(cfg) > 4 else None,
-                   "wg_split": cfg[5] if len(cfg) > 5 else None,
-                   "min_block_m": cfg[6] if len(cfg) > 6 else None,
-                   "sm90": cfg[7] if len(cfg) > 7 else None}
-            try:
-                md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
-                                                   qlen=shape.qlen, num_heads=shape.heads,
-                                                   backend="triton")
-
-                def kernels(q, cache, md):
-                    return impl.decode(q, cache, md, scale=scale, kv_lora_rank=L, q_scale=None,
-                                       kv_scale=None)
-
-                t = device_time(kernels, q, cache, md)
-                out = np.asarray(jax.jit(kernels)(q, cache, md)[0].astype(jnp.float32))
-                rows.append({**row, **roofline(shape, np.asarray(lens), t, ceil),
-                             "rel_err_vs_xla": rel_err(out, ref)})
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile is data too
-                rows.append({**row, "error": repr(e)[:300]})
-            finally:
-                for k in env:
-                    os.environ.pop(k, None)
-            print("tune", rows[-1], flush=True)
+            row["speedup_vs_xla"] = xla_us / row["us"]
     return rows

@@ -1,4 +1,4 @@
-"""Prefill benchmark and GPU correctness check (MHA form, qk 192 / v 128; PERF.md anchors).
+"""Prefill benchmark and GPU correctness check (MHA form, qk 192 / v 128; docs/design.md §10).
 
 ``bench_prefill(timer, shapes=...)`` times every backend on the same inputs in one run and
 reports microseconds and TFLOP/s with FlashAttention's FLOP count, using exact causal pair counts
@@ -15,16 +15,17 @@ import functools
 import json
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.backends import current_platform
-from jax_mla.backends.triton_launch import triton_importable
-from jax_mla.backends.triton_prefill import TUNING_CONFIGS, PrefillTritonConfig
+from jax_mla.backends.triton.launch import triton_importable
+from jax_mla.backends.triton.prefill import TUNING_CONFIGS, PrefillTritonConfig
 from jax_mla.context import mla_prefill_with_context
 from jax_mla.prefill import mla_prefill
+from jax_mla.problem import current_platform
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -101,7 +102,7 @@ def _rel(a, b) -> float:
 
 
 def bench_prefill(timer, *, shapes=None, backends=("xla", "triton"), dtype=jnp.bfloat16,
-                  triton_config: PrefillTritonConfig | None = None, seed: int = 0) -> list[dict]:
+                  config: PrefillTritonConfig | None = None, seed: int = 0) -> list[dict]:
     """Time :func:`jax_mla.mla_prefill` on every shape and backend, same inputs for all.
 
     Args:
@@ -110,7 +111,7 @@ def bench_prefill(timer, *, shapes=None, backends=("xla", "triton"), dtype=jnp.b
       shapes: :class:`PrefillShape` list (default :func:`target_shapes`).
       backends: prefill backends; ones that cannot run here are skipped.
       dtype: input dtype (bf16 for the targets).
-      triton_config: Triton tile config (default: picked by head dims), for tuning.
+      config: Triton tile config (default: picked by head dims), for tuning.
     Returns:
       One dict per (shape, backend): ``shape``, ``tag``, ``backend``, ``batch``, ``heads``,
       ``tokens``, ``max_seqlen``, ``dqk``, ``dv``, ``causal``, ``us``, ``TFLOPs``, and when the
@@ -128,7 +129,8 @@ def bench_prefill(timer, *, shapes=None, backends=("xla", "triton"), dtype=jnp.b
         outs = {}
         for backend in runnable:
             fn = functools.partial(mla_prefill, scale=shape.dqk ** -0.5, causal=shape.causal,
-                                   max_seqlen=smax, backend=backend, triton_config=triton_config)
+                                   max_seqlen=smax, backend=backend,
+                                   config=config if backend == "triton" else None)
             sec = timer(fn, q, k, v, cu)
             outs[backend] = jax.jit(fn)(q, k, v, cu)
             rows.append(dict(shape=shape.name, tag=shape.tag, backend=backend,
@@ -155,7 +157,7 @@ def tune_prefill(timer, *, shapes=None, configs=TUNING_CONFIGS, dtype=jnp.bfloat
     rows = []
     for cfg in configs:
         for r in bench_prefill(timer, shapes=shapes, backends=("triton",), dtype=dtype,
-                               triton_config=cfg, seed=seed):
+                               config=cfg, seed=seed):
             rows.append(dict(r, **dataclasses.asdict(cfg)))
     return rows
 
@@ -287,7 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="two small shapes (smoke test)")
     p.add_argument("--backends", default="xla,triton")
     p.add_argument("--no-check", action="store_true", help="skip gpu_check_prefill")
-    p.add_argument("--out", default="benchmarks/results/latest/prefill.json")
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "jax_mla_bench",
+                                                 "prefill.json"))
     args = p.parse_args(argv)
     from jax_mla.bench.timing import device_time
 

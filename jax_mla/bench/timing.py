@@ -1,19 +1,18 @@
-"""Device-side timing of jitted functions, and the machine's ceilings measured in the same run.
+"""Stream time of jitted functions, and the machine's ceilings measured in the same run.
 
-A call is timed as one jitted program that runs it ``n`` times back to back, each call fed a
-*data dependency* on the previous call's output: when the output has the shape and dtype of the
-first argument it becomes the next call's first argument (a true chain); otherwise one element of
-the first array argument is bumped by ``output[0] > 3e38`` (always 0 for real data, but XLA can
-neither prove it nor hoist, merge, reorder or overlap the calls). Wall time / ``n`` is then the
-GPU time of one call with the single dispatch amortised; ``n`` grows until the program runs for
-about ``min_ms``. The median of ``reps`` runs is reported.
+*Stream time*: a call is timed as one jitted program that runs it ``n`` times back to back, each
+call fed a *data dependency* on the previous call's output: when the output has the shape and
+dtype of the first argument it becomes the next call's first argument (a true chain); otherwise
+one element of the first array argument is bumped by ``output[0] > 3e38`` (always 0 for real
+data, but XLA can neither prove it nor hoist, merge, reorder or overlap the calls). Each output
+passes an optimization barrier, so consecutive elementwise calls cannot fuse into one pass. Wall
+time / ``n`` is the time of one call in a stream of dependent calls, its launch gaps included,
+with the program's single dispatch amortised; ``n`` grows until the program runs for about
+``min_ms``. The median of ``reps`` runs is reported. (*GPU time*, the kernels alone, is read
+from CUPTI: ``profile.py``.)
 
-(What went wrong before, on the H200: chaining the calls only through an optimization barrier
-whose outputs were discarded let XLA drop or overlap calls, and a Triton decode "read" 9.9 TB/s;
-and the copy probe multiplied by ``bfloat16(1.0001)``, which is exactly 1.0, so XLA deleted the
-work and reported 9-12 TB/s. Now each call is fed a real dependency, each output passes an
-optimization barrier so consecutive elementwise calls cannot fuse into one pass, the probe
-multiplies by 1.25, and :func:`ceilings` flags figures above any datasheet.)
+The copy probe of :func:`ceilings` multiplies by 1.25 (exact in bf16, so XLA cannot drop it),
+and figures above any datasheet are flagged: a broken chain shows there first.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ def _feed(args, out):
     return jax.tree.unflatten(tree, leaves)
 
 
-def _chained(fn, n):
+def chained(fn, n):
     def many(*args):
         # The barrier materialises each call's output: XLA cannot fuse consecutive calls
         # (a chain of elementwise ops would otherwise become one pass over memory).
@@ -66,9 +65,8 @@ def _wall(f, args):
     return time.perf_counter() - t0
 
 
-# Shortest chained program, in ms. The program's own dispatch and final sync (~50-100 us on the
-# H200) are spread over its calls: at 3 ms a 1.3 ms call ran twice and read ~8 % slow, and the
-# 1 GiB copy probe 35 % slow. ``python -m jax_mla.bench`` sets 20 (``--min-ms``).
+# Shortest chained program, in ms: the program's own dispatch and final sync (~50-100 us on a GPU)
+# are spread over its calls, so short programs read slow. The bench uses 20 (``--min-ms``).
 MIN_MS = 3.0
 
 
@@ -79,7 +77,7 @@ def device_time(fn, *args, min_ms: float | None = None, reps: int = 5, max_n: in
     jax.block_until_ready(one(*args))
     est = min(_wall(one, args) for _ in range(3))
     n = int(max(2, min(max_n, (min_ms * 1e-3) // max(est, 1e-6))))
-    many = _chained(fn, n)
+    many = chained(fn, n)
     jax.block_until_ready(many(*args))
     return statistics.median(_wall(many, args) for _ in range(reps)) / n
 

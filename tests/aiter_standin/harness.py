@@ -39,7 +39,7 @@ def forced_standins(on_enter=None):
     :func:`standin`) with the bridge forced on for this platform; all undone at exit.
     ``on_enter(module)`` runs after each import (e.g. to make ``detect_arch`` report its arch)."""
     from jax_mla.backends import aiter as aiter_backend
-    from jax_mla.backends import current_platform
+    from jax_mla.problem import current_platform
 
     stack = []
 

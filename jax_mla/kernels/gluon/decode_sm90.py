@@ -21,18 +21,18 @@ Loads are ``cp.async`` gathers through the block table (any page size), split be
 warpgroups so that every region of a buffer is refilled by its *last reader* as soon as it is
 done with it: no "buffer free" barriers. A buffer's "full" barrier completes when the copies of
 both warpgroups have landed (``cp.async.mbarrier.arrive.noinc``, one arrival per thread). The
-block-table entries of a pair are read one pair ahead, so a copy never waits on a table read (at
-page size 1 that was 26 % of the time). The split schedule hands out KV ranges in pairs of tiles
+block-table entries of a pair are read one pair ahead, so a copy never waits on a table read
+(which matters most at page size 1). The split schedule hands out KV ranges in pairs of tiles
 (``block_n`` 128), so only a work's last pair can be half empty.
 
 Not (yet) done as FlashMLA does: ``Q @ K^T`` starts only when a whole tile has landed (FlashMLA
 waits per 64-column slice), and each work's first pair and ``Q`` are loaded when the work starts,
 not under the previous work's last pair.
 
-Works (KV ranges of one request, see ``jax_mla/schedule.py``) come from the same persistent
-split schedule as the Triton kernel, and their results (final rows or split partials) are the
-same, so the same reduce merges them. Rows ``m = t * HB + h`` pack verify tokens and heads; a
-row sees positions below its causal bound; a row that sees nothing gets out 0 and LSE -inf.
+Works (KV ranges of one request, see ``backends/triton/schedule.py``) come from the same persistent
+split schedule as the Triton kernel, and their results (final rows or split partials) are the same,
+so the same reduce merges them. Rows ``m = t * HB + h`` pack verify tokens and heads; a row sees
+positions below its causal bound; a row that sees nothing gets out 0 and LSE -inf.
 """
 
 from triton.experimental import gluon

@@ -1,13 +1,12 @@
 """Split-KV paged MLA decode/verify and its exact LSE reduce, in Triton (NVIDIA and AMD).
 
-The kernel is persistent: program ``p`` of head block ``hb`` runs the works
-``work_indptr[p] .. work_indptr[p + 1]`` of the split schedule (``jax_mla/schedule.py``) one after
-another, so every program does the same amount of KV reading whatever the mix of lengths. A *work*
-is a KV range of one request, handled for one block of query heads and all ``Q`` query tokens of
-that request: rows ``m = t * HB + h`` pack the verify tokens and heads into one MMA tile, so each
-latent KV row is read once per request and head block, not once per query token. The latent row
-``[kv_c | k_pe]`` is both key (all ``L + R`` columns) and value (the first ``L``): one load serves
-both products.
+The kernel is persistent: program ``p`` of head block ``hb`` runs the works ``work_indptr[p] ..
+work_indptr[p + 1]`` of the split schedule (``backends/triton/schedule.py``) one after another, so
+every program does the same amount of KV reading whatever the mix of lengths. A *work* is a KV range
+of one request, handled for one block of query heads and all ``Q`` query tokens of that request:
+rows ``m = t * HB + h`` pack the verify tokens and heads into one MMA tile, so each latent KV row is
+read once per request and head block, not once per query token. The latent row ``[kv_c | k_pe]`` is
+both key (all ``L + R`` columns) and value (the first ``L``): one load serves both products.
 
 The grid is one axis, head block fastest: the programs that read the same KV range for different
 head blocks run side by side, so the second read of a tile comes from L2, not HBM (128 heads).
@@ -22,9 +21,8 @@ that sees no key keeps ``l = 0``: its output is 0 and its LSE ``-inf``.
 
 Split partials are stored ``evict_last`` and read by the reduce ``evict_first`` (``L2_HINTS``),
 so that the KV stream that follows a partial's write (hundreds of MB against a 50 MB L2) does not
-push it out to HBM. The hints change no result. On the H200 the reduce took the same time with
-them, but the split kernel ran 1-12 % faster at most shapes (1.4 % slower at B=128, S=32k),
-presumably because the partials' write-backs no longer compete with its KV reads.
+push it out to HBM, and their write-backs do not compete with the KV reads. The hints change no
+result (``TritonTuning.l2_hints`` turns them off).
 """
 
 import triton
@@ -221,7 +219,7 @@ def mla_decode_kernel(
     L2_HINTS: tl.constexpr = False,
 ):
     # WG_SPLIT is read by the compiler wrapper, not here: on CUDA it splits the score tile's
-    # columns between the two warpgroups of a 64-row, 8-warp program (backends/triton_ttgir.py).
+    # columns between the two warpgroups of a 64-row, 8-warp program (backends/triton/compiler.py).
     pid = tl.program_id(0)
     p = pid // NUM_HB
     hb = pid % NUM_HB

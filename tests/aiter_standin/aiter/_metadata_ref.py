@@ -7,7 +7,7 @@ qlen 1 without q splitting or folding), plus the host dispatch ``get_mla_metadat
 Non-sparse, no CP round-robin, ``page_size == 1`` only (what vLLM uses). Loops are written the
 way the device code runs them (lane 0 for the warp-parallel bits), not vectorised, so that this
 file can be read side by side with the CUDA source. It is jax_mla's test oracle for
-``jax_mla.rocm.planner`` and the planner behind the stand-in's ``get_mla_metadata_v1``.
+``jax_mla.backends.aiter.planner`` and the planner behind the stand-in's ``get_mla_metadata_v1``.
 
 Buffers are numpy int32 arrays written in place, like AITER writes device tensors; entries AITER
 leaves unwritten keep whatever the caller put there.

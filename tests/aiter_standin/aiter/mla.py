@@ -89,7 +89,7 @@ def _check_decode_args(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_las
         expect(reduce_indptr, "reduce_indptr", dtypes.i32, ndim=1, device=dev)
         expect(reduce_final_map, "reduce_final_map", dtypes.i32, shape=(None, 2), device=dev)
         expect(reduce_partial_map, "reduce_partial_map", dtypes.i32, ndim=1, device=dev)
-        # Kernel availability the host dispatch would not find (MLA_SPEC.md §5.2, gfx942).
+        # Kernel availability the host dispatch would not find (docs/design.md §7.8, gfx942).
         if get_gfx() == "gfx942" and not is_fp8(q):
             if max_seqlen_q > 4:
                 raise RuntimeError("cannot get heuristic kernel: gfx942 bf16 persistent qlen > 4")

@@ -1,0 +1,176 @@
+"""``backend="aiter"``: AITER's MLA kernels on AMD Instinct GPUs, routed as vLLM does.
+
+The route (asm decode persistent or not, Gluon decode/verify, segmented DCP verify) is the
+plan's (:class:`~.plan.AiterPlan`), decided when the metadata is built; ``decode`` only reads it
+and calls the matching bridge (``bridge.py``, the only module that imports ``aiter``). Nothing
+here imports ``aiter``: the backend is available only on ROCm with ``aiter`` importable.
+
+Head padding is route-dependent (asm pads to the kernel's head count, Gluon and segmented do
+not), so plans keep the real count and the bridge pads and unpads around each kernel call with
+the exact maps of ``jax_mla.heads``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_mla import heads as _heads
+from jax_mla.backends.aiter import bridge
+from jax_mla.backends.aiter import capabilities as caps
+from jax_mla.backends.aiter.plan import AiterPlan, make_plan
+from jax_mla.backends.aiter.schedule import build_schedule
+from jax_mla.backends.base import Backend
+from jax_mla.cache import is_fp8
+from jax_mla.problem import Target
+
+# Platforms on which the bridge is forced on, for CPU CI and the NVIDIA stand-in check only.
+_FORCED: set[str] = set()
+
+
+@contextlib.contextmanager
+def force_bridge(platforms=("cpu", "cuda")):
+    """Test/bench-only: make ``backend="aiter"`` usable on ``platforms`` (``auto`` never picks it
+    there). With the stand-in package on ``sys.path`` this runs the real bridge code."""
+    added = set(platforms) - _FORCED
+    _FORCED.update(added)
+    try:
+        yield
+    finally:
+        _FORCED.difference_update(added)
+
+
+@dataclasses.dataclass(frozen=True)
+class AiterPrefillConfig:
+    """The AITER prefill's options: ``kv_cache_fp8`` (the model's cache is fp8, which enables
+    the fp8 PS asm prefill where the arch and build have it), ``has_context`` (chunked context
+    follows: its merge needs the LSE, so no PS path), ``arch`` and ``build`` (default:
+    detected)."""
+
+    kv_cache_fp8: bool = False
+    has_context: bool = False
+    arch: str | None = None
+    build: caps.AiterBuild | None = None
+
+
+class AiterBackend(Backend):
+    """AITER MLA decode, and the AITER prefill paths (FlashAttention varlen, fp8 PS asm)."""
+
+    name = "aiter"
+    platforms = ("rocm",)
+
+    def unavailable_reason(self, target: Target) -> str | None:
+        if not bridge.aiter_importable():
+            return ("backend='aiter' needs the ROCm/aiter package (pip install aiter on a ROCm "
+                    "host), and it is not importable here")
+        if target.platform in _FORCED or target.platform == "rocm":
+            return None
+        return f"backend='aiter' runs on ROCm (AMD Instinct gfx942/gfx950), not {target.platform!r}"
+
+    def check(self, problem) -> None:
+        _heads.check_num_heads(problem.num_heads, "num_heads (q.shape[1])")
+        if problem.kv_lora_rank != 512 or problem.rope_dim != 64:
+            raise NotImplementedError(
+                f"AITER's MLA kernels are built for kv_lora_rank 512 and rope 64 (D = 576); got "
+                f"L={problem.kv_lora_rank}, R={problem.rope_dim}"
+            )
+        q, kv = caps.dtype_name(problem.q_dtype), caps.dtype_name(problem.kv_dtype)
+        if q not in ("bf16", "fp8") or kv not in ("bf16", "fp8"):
+            raise NotImplementedError(
+                f"AITER MLA decode takes bf16 or fp8 q and KV, got q {q} / kv {kv}"
+            )
+
+    def plan(self, problem, *, tuning=None, **options) -> AiterPlan:
+        """The route for ``problem``; ``options`` as ``build_aiter_decode_metadata``'s (arch,
+        num_cu, mtp_decode_qlen, dcp_world_size, cp_interleave, return_lse, small_head_mode,
+        build, capacity_batch, check_kernels)."""
+        if tuning is not None:
+            raise TypeError("backend='aiter' takes no tuning object; pass AITER's options")
+        return make_plan(self.name, problem, **options)
+
+    def schedule(self, plan: AiterPlan, metadata, **arrays):
+        """The route's arrays; ``arrays``: ``dcp_rank``, ``cp_interleave``,
+        ``dcp_tot_seq_lens``, ``live`` (see ``schedule.build_schedule``)."""
+        return build_schedule(plan, metadata, **arrays)
+
+    def decode(self, q, kv_cache, metadata, *, plan: AiterPlan, scale, q_scale, kv_scale,
+               return_lse):
+        """``q [T, H, 576]`` -> ``(out [T, H, 512], lse [T, H] float32)`` via the bridge.
+
+        ``lse`` is the kernel's when the route asks for it (``route.return_lse``), otherwise NaN
+        and unused (the entry refuses ``return_lse=True`` against such a plan).
+        """
+        route, sched = plan.route, metadata.schedule
+        if is_fp8(kv_cache.dtype) and jnp.dtype(kv_cache.dtype) != caps.fp8_dtype(route.arch):
+            raise TypeError(
+                f"{route.arch} stores fp8 as {caps.fp8_dtype(route.arch)}, the cache is "
+                f"{jnp.dtype(kv_cache.dtype)}"
+            )
+        if route.kind == "asm":
+            out, lse = bridge.asm_decode(q, kv_cache, metadata, route, sched, scale=scale,
+                                         q_scale=q_scale, kv_scale=kv_scale)
+        elif route.kind in ("gluon_decode", "gluon_verify"):
+            out, lse = bridge.gluon_decode(q, kv_cache, metadata, route, sched, scale=scale,
+                                           kv_scale=kv_scale)
+        else:
+            out, lse = bridge.segmented_dcp_verify(q, kv_cache, route, sched, scale=scale,
+                                                   q_scale=q_scale, kv_scale=kv_scale)
+        # jax_mla's contract: a row that sees no KV gives out 0 and lse -inf (AITER's reducer
+        # reports +inf for such rows and kernels may leave garbage there).
+        seen = self._rows_seeing_kv(metadata, route, sched)
+        out = jnp.where(seen[:, None, None], out, jnp.zeros((), out.dtype))
+        if lse is None:
+            lse = jnp.full(out.shape[:2], jnp.nan, jnp.float32)
+        else:
+            lse = jnp.where(seen[:, None], lse.astype(jnp.float32), -jnp.inf)
+        return out, lse
+
+    @staticmethod
+    def _rows_seeing_kv(md, route, sched):
+        if route.kind == "dcp_verify":
+            return sched.dcp_verify.row_lens > 0
+        t = jnp.arange(md.qlen, dtype=jnp.int32)
+        return (md.seq_lens[:, None] - md.qlen + t[None, :] + 1 > 0).reshape(-1)
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def check_prefill(self, q, k, v, *, config) -> None:
+        if config is not None and not isinstance(config, AiterPrefillConfig):
+            raise TypeError(f"config must be an AiterPrefillConfig for backend='aiter', got "
+                            f"{type(config).__name__}")
+
+    def prefill(self, q, k, v, cu_q, cu_k, *, scale, causal, target, max_seqlen, max_seqlen_k,
+                config=None, return_lse=True):
+        """The fp8 PS asm prefill when enabled, else FlashAttention varlen (vLLM's order).
+
+        Same contract as :meth:`Backend.prefill`; ``lse`` is None when the fp8 PS path ran (it
+        exposes none). That path is taken only on an arch and build that have it, with an fp8
+        KV cache (``config.kv_cache_fp8``), a valid head count, no chunked context, equal query
+        and key packing, causal attention and no LSE asked for.
+        """
+        config = config or AiterPrefillConfig()
+        arch = config.arch or (target.arch if target.platform == "rocm" else None) \
+            or caps.detect_arch()
+        build = config.build or (bridge.installed_build() if bridge.aiter_importable()
+                                 else caps.DEFAULT_BUILD)
+        max_seqlen = q.shape[0] if max_seqlen is None else max_seqlen
+        max_seqlen_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
+        same_kv = cu_k is None
+        cu_k = cu_q if cu_k is None else cu_k
+        use_ps = (arch is not None and caps.fp8_prefill_supported(arch, build)
+                  and config.kv_cache_fp8 and _heads.is_valid_num_heads(q.shape[1])
+                  and not config.has_context and same_kv and causal and not return_lse)
+        live = jnp.arange(q.shape[0], dtype=jnp.int32) < cu_q[-1]  # rows past cu_q[-1]: padding
+        if use_ps:
+            out = bridge.fp8_prefill(q, k, v, cu_q, max_query_len=max_seqlen, scale=scale,
+                                     arch=arch)
+            return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), None
+        out, lse = bridge.flash_attn_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen,
+                                            max_seqlen_k=max_seqlen_k, scale=scale,
+                                            causal=causal, return_lse=return_lse)
+        out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
+        if lse is not None:
+            lse = jnp.where(live[:, None], lse.T, -jnp.inf)  # FA's [H, T] -> jax_mla's [T, H]
+        return out, lse

@@ -1,0 +1,70 @@
+"""``backend="triton"``: split-KV Triton decode/verify and a varlen flash-attention prefill.
+
+- ``plan.py``: the route (tile, Triton or Gluon kernel, split plan, reduce), decided once.
+- ``schedule.py``: the persistent split-KV schedule, in jnp.
+- ``decode.py``: the decode call (split kernel, then reduce), as the plan says.
+- ``prefill.py``: the prefill kernel's tiles and launch.
+- ``launch.py``: kernels inside ``jax.jit`` (jax-triton on GPUs, the interpreter on CPU).
+- ``compiler.py``: hooks in the kernel compile (the Hopper TTGIR rewrite, Gluon kernels).
+- ``aot.py``: ahead-of-time compile reports (no GPU needed).
+
+Kernel sources live in ``jax_mla/kernels``. Nothing here imports triton at import time.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_mla.backends.base import Backend
+from jax_mla.backends.triton import decode as _decode
+from jax_mla.backends.triton import launch
+from jax_mla.backends.triton.plan import TritonPlan, TritonTuning, make_plan
+from jax_mla.backends.triton.prefill import PrefillTritonConfig, prefill_triton
+from jax_mla.backends.triton.schedule import plan_splits
+from jax_mla.problem import Target
+
+__all__ = ["PrefillTritonConfig", "TritonBackend", "TritonPlan", "TritonTuning"]
+
+
+class TritonBackend(Backend):
+    """Triton kernels on CUDA and ROCm (jax-triton), and on CPU through the interpreter."""
+
+    name = "triton"
+    platforms = ("cpu", "cuda", "rocm")
+
+    def unavailable_reason(self, target: Target) -> str | None:
+        return super().unavailable_reason(target) or launch.unavailable_reason(target.platform)
+
+    def plan(self, problem, *, tuning: TritonTuning | None = None, **options) -> TritonPlan:
+        if options:
+            raise TypeError(f"backend='triton' takes no planning options {sorted(options)}; "
+                            "pass tuning=TritonTuning(...)")
+        if tuning is not None and not isinstance(tuning, TritonTuning):
+            raise TypeError(f"tuning must be a TritonTuning, got {type(tuning).__name__}")
+        return make_plan(self.name, problem, tuning)
+
+    def schedule(self, plan: TritonPlan, metadata):
+        """The split schedule (``schedule.SplitSchedule``) the plan's kernels walk."""
+        return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, qlen=metadata.qlen,
+                           block_n=plan.kernel.block_n, num_programs=plan.num_programs,
+                           num_head_blocks=plan.kernel.num_head_blocks, mode=plan.split_mode)
+
+    def decode(self, q, kv_cache, metadata, *, plan, scale, q_scale, kv_scale, return_lse):
+        # The kernel masks partial head blocks itself: no padding (plan.padded_heads == H).
+        return _decode.decode(q, kv_cache, metadata, plan=plan, scale=scale, q_scale=q_scale,
+                              kv_scale=kv_scale)
+
+    def check_prefill(self, q, k, v, *, config) -> None:
+        if config is not None and not isinstance(config, PrefillTritonConfig):
+            raise TypeError(f"config must be a PrefillTritonConfig for backend='triton', got "
+                            f"{type(config).__name__}")
+
+    def prefill(self, q, k, v, cu_q, cu_k, *, scale, causal, target, max_seqlen, max_seqlen_k,
+                config=None, return_lse=True):
+        t = q.shape[0]
+        cu_k = cu_q if cu_k is None else cu_k
+        # A trailing key-less sequence covers padding rows, so the kernel writes every row.
+        cu_q = jnp.concatenate([cu_q, jnp.full((1,), t, jnp.int32)])
+        cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
+        return prefill_triton(q, k, v, cu_q, cu_k, scale=scale, causal=causal,
+                              platform=target.platform, config=config)

@@ -1,0 +1,144 @@
+"""The Triton backend's decode call: the split kernel, then the reduce, as the plan says.
+
+Nothing here decides anything: the tile, the kernel (Triton or the Gluon sm_90 one), the split
+schedule and the reduce come from the :class:`~jax_mla.backends.triton.plan.TritonPlan` and the
+schedule arrays carried in the metadata.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_mla.backends.triton.launch import triton_call
+from jax_mla.backends.triton.plan import (
+    LOG2E,
+    KernelConfig,
+    ReduceConfig,
+    TritonPlan,
+    next_pow2,
+)
+from jax_mla.backends.triton.schedule import SplitSchedule
+from jax_mla.cache import is_fp8
+
+
+def _kernels():
+    # Kernel sources import triton: loaded when a call is traced, never at jax_mla's import.
+    from jax_mla.kernels.triton import decode
+
+    return decode
+
+
+def _sm90_kernels():
+    from jax_mla.kernels.gluon import decode_sm90
+
+    return decode_sm90
+
+
+def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale):
+    """``q [T, H, D]`` -> ``(out [T, H, L] in q's dtype (bf16 for fp8 q), lse [T, H] float32)``."""
+    cfg = plan.kernel
+    p = plan.problem
+    t_rows, h, d = q.shape
+    lr, rd = p.kv_lora_rank, p.rope_dim
+    platform = p.target.platform
+    if is_fp8(q.dtype):  # dequantise once here; the kernel multiplies in bf16
+        q = (q.astype(jnp.float32) * jnp.asarray(q_scale, jnp.float32)).astype(jnp.bfloat16)
+    sched: SplitSchedule = md.schedule
+    kv = kv_cache.reshape(-1, d)
+    has_scale = kv_scale is not None
+    kv_scale_arr = jnp.asarray(1.0 if kv_scale is None else kv_scale, jnp.float32).reshape(1)
+    upcast = plan.interpret
+    prow = sched.max_works * md.qlen
+    shape = dict(num_heads=h, qlen=md.qlen, page_size=md.page_size, max_pages=md.max_pages,
+                 kv_lora_rank=lr, rope_dim=rd, scale=scale)
+    if cfg.sm90:
+        kernel = _sm90_kernels().mla_decode_sm90_kernel
+        consts = sm90_constexprs(cfg, **shape)
+    else:
+        kernel = _kernels().mla_decode_kernel
+        consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,
+                                   ieee=(not upcast) and jnp.dtype(q.dtype) == jnp.float32)
+    f32 = jnp.float32
+    out, lse, part_out, part_lse = triton_call(
+        kernel,
+        q, kv, md.block_table, md.paged_kv_indptr, sched.work_indptr, sched.work_info_set,
+        kv_scale_arr,
+        grid=(sched.num_programs * cfg.num_head_blocks,),
+        out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), q.dtype),
+                    jax.ShapeDtypeStruct((t_rows, h), f32),
+                    jax.ShapeDtypeStruct((prow, h, lr), f32),
+                    jax.ShapeDtypeStruct((prow, h), f32)],
+        platform=platform, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+    )
+    return reduce_partials(part_out, part_lse, sched, out, lse, config=plan.reduce,
+                           platform=platform)
+
+
+def _problem_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages,
+                        kv_lora_rank, rope_dim, scale) -> dict:
+    """The compile-time arguments both decode kernels take (the same launch contract)."""
+    return dict(
+        QK_SCALE=float(scale * LOG2E), H=num_heads, MAX_PAGES=max_pages, Q=qlen,
+        HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks, L=kv_lora_rank, R=rope_dim,
+        PAGE_SIZE=page_size, L2_HINTS=cfg.l2_hints)
+
+
+def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
+                      rope_dim, scale, has_kv_scale=False, upcast=False, ieee=False) -> dict:
+    """The Triton decode kernel's compile-time arguments for tile ``cfg`` and one problem."""
+    return _problem_constexprs(
+        cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
+        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale) | dict(
+        BLOCK_M=cfg.block_m, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(rope_dim),
+        BLOCK_N=cfg.block_n, TILE_IN_PAGE=page_size % cfg.block_n == 0,
+        HAS_KV_SCALE=has_kv_scale, UPCAST=upcast, IEEE=ieee, WG_SPLIT=cfg.wg_split)
+
+
+def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
+                    rope_dim, scale) -> dict:
+    """The Gluon sm_90 kernel's compile-time arguments (its tiles are 64 tokens)."""
+    return _problem_constexprs(
+        cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
+        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale) | dict(
+        TILE_IN_PAGE=page_size % 64 == 0)
+
+
+def reduce_partials(part_out, part_lse, sched, out, lse, *, config: ReduceConfig, platform):
+    """Merge split partials into ``out``/``lse`` in place (requests with < 2 partials untouched).
+
+    ``sched``: this package's :class:`SplitSchedule` (with ``config.affine``, the two-load
+    kernel over each split request's consecutive partials), or any plan in AITER's layout
+    (``reduce_indptr``, ``reduce_final_map``, ``reduce_partial_map``; the general kernel).
+    """
+    t_rows, h, lr = out.shape
+    block_h = min(16, next_pow2(h))
+    h_blocks = math.ceil(h / block_h)
+    out_shapes = [jax.ShapeDtypeStruct(out.shape, out.dtype),
+                  jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
+    consts = dict(H=h, L=lr, BLOCK_H=block_h, OFF64=part_out.size >= 2**31,
+                  L2_HINTS=config.l2_hints, BLOCK_S=config.block_s, BLOCK_L=config.block_l)
+    grid_l = math.ceil(lr / config.block_l)
+    if isinstance(sched, SplitSchedule) and config.affine:
+        # One program per split request (a program with nothing to merge still costs a launch),
+        # each finding its consecutive partials with one load.
+        tiles = sched.reduce_tiles
+        return triton_call(
+            _kernels().mla_reduce_affine_kernel,
+            part_out, part_lse, tiles, sched.reduce_tile_ptr, out, lse,
+            grid=(tiles.shape[0], h_blocks, grid_l), out_shapes=out_shapes,
+            input_output_aliases={4: 0, 5: 1}, platform=platform, num_warps=4, num_stages=1,
+            Q=sched.qlen, **consts)
+    # Any partial map: a program for every listed tile (every request when none are listed).
+    tiles = getattr(sched, "reduce_tiles", None)
+    if tiles is None:
+        tiles = jnp.arange(sched.reduce_final_map.shape[0], dtype=jnp.int32)
+    return triton_call(
+        _kernels().mla_reduce_kernel,
+        part_out, part_lse, sched.reduce_indptr, sched.reduce_final_map,
+        sched.reduce_partial_map, tiles, out, lse,
+        grid=(tiles.shape[0], h_blocks, grid_l), out_shapes=out_shapes,
+        input_output_aliases={6: 0, 7: 1}, platform=platform, num_warps=4, num_stages=1,
+        MAX_ROWS=sched.qlen, **consts)

@@ -1,0 +1,293 @@
+"""The Triton backend's route, decided once per problem: tile, kernel, split plan, reduce.
+
+Everything here is a pure function of the problem, the target and a frozen
+:class:`TritonTuning`; the result is a :class:`TritonPlan` carried in the decode metadata
+(static, part of the jit cache key). The decode call only reads it.
+
+Rules (measured figures behind them: ``benchmarks/results/h200/RESULTS.md``):
+
+- A program's MMA tile holds ``Q x heads-per-block`` rows, at most ``MAX_ROWS`` (the float32
+  ``[rows, L]`` accumulator is what the register file bounds); more heads make more head
+  blocks. Rows pack ``m = t * HB + h`` so a latent row is read once per request and head block.
+- 16 rows: ``mma.sync``, the KV tile double-buffered, two programs per SM. 64 rows (wgmma on
+  Hopper): on Hopper the Gluon two-warpgroup kernel where it serves the dtypes and geometry
+  (:func:`sm90_supported`), else the Triton tile with its score columns split between the two
+  warpgroups (``compile.split_broadcast_wgmma``).
+- 17..32 rows fit neither MMA shape: on Hopper one 64-row wgmma tile, half of it padding;
+  elsewhere two 16-row head blocks that share each KV tile through L2.
+- The grid is persistent: exactly the programs the GPU holds at once (``ctas_per_sm`` per SM).
+- The reduce reads a request's partials in chunks of about what the even-pieces plan cuts a
+  fixed-length request into (at most 8), over a ``[chunk, 16, columns]`` tile of 8 x 16 x 16
+  floats (72 registers a thread on sm_90a: ~7 programs per SM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import inspect
+
+import jax.numpy as jnp
+
+from jax_mla import env
+from jax_mla.backends.base import DecodePlan
+from jax_mla.backends.triton.schedule import PLAN_MODES
+from jax_mla.problem import DecodeProblem, Target, as_target
+
+LOG2E = 1.4426950408889634
+MAX_ROWS = 64
+# Tiles by MMA rows, and how many programs of that tile one multiprocessor holds at once
+# (registers and shared memory from ptxas for sm_90a).
+GPU_TILES = {
+    16: {"block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
+    64: {"block_n": 64, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},
+}
+# The Gluon sm_90 kernel: 4 warps compile the default partition (warpgroup 0), the worker
+# partition adds 4 more; the schedule hands it KV ranges in pairs of 64-token tiles.
+SM90_TILE = {"block_n": 128, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1, "sm90": True}
+# The interpreter (CPU): small tiles keep CI fast and exercise several tiles per work.
+INTERPRETER_TILE = {"block_n": 16, "num_warps": 1, "num_stages": 1}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonTuning:
+    """Overrides of the Triton backend's rules (None / the default: the rule decides).
+
+    ``block_n``, ``num_warps``, ``num_stages``: the Triton decode tile (any of them set keeps
+    the Gluon kernel out); ``ctas_per_sm``: programs per SM; ``max_rows``: most MMA rows a
+    program holds; ``min_block_m``: smallest MMA tile; ``wg_split``: split the 64-row Triton
+    tile's score columns between warpgroups (CUDA); ``sm90_kernel``: the Gluon kernel for
+    64-row tiles on Hopper; ``l2_hints``: keep split partials in L2; ``affine_reduce``: the
+    two-load reduce for this package's plans; ``reduce_block_s`` / ``reduce_block_l``: the
+    reduce's chunk and column block; ``split_plan``: ``auto``, ``line`` or ``even``.
+    """
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    ctas_per_sm: int | None = None
+    max_rows: int | None = None
+    min_block_m: int | None = None
+    wg_split: bool = True
+    sm90_kernel: bool = True
+    l2_hints: bool = True
+    affine_reduce: bool = True
+    reduce_block_s: int | None = None
+    reduce_block_l: int | None = None
+    split_plan: str = "auto"
+
+    def __post_init__(self):
+        if self.split_plan not in PLAN_MODES:
+            raise ValueError(f"split_plan={self.split_plan!r} must be one of {PLAN_MODES}")
+
+    @classmethod
+    def from_env(cls) -> TritonTuning:
+        """The knobs of ``jax_mla.env`` (read now, once per plan)."""
+        return cls(
+            block_n=env.read_int("JAX_MLA_TRITON_BLOCK_N"),
+            num_warps=env.read_int("JAX_MLA_TRITON_WARPS"),
+            num_stages=env.read_int("JAX_MLA_TRITON_STAGES"),
+            ctas_per_sm=env.read_int("JAX_MLA_TRITON_CTAS_PER_SM"),
+            max_rows=env.read_int("JAX_MLA_TRITON_MAX_ROWS"),
+            min_block_m=env.read_int("JAX_MLA_TRITON_MIN_BLOCK_M"),
+            wg_split=env.read_flag("JAX_MLA_TRITON_WG_SPLIT", True),
+            sm90_kernel=env.read_flag("JAX_MLA_TRITON_SM90_KERNEL", True),
+            l2_hints=env.read_flag("JAX_MLA_TRITON_L2_HINTS", True),
+            affine_reduce=env.read_flag("JAX_MLA_TRITON_AFFINE_REDUCE", True),
+            reduce_block_s=env.read_int("JAX_MLA_TRITON_REDUCE_BLOCK_S"),
+            reduce_block_l=env.read_int("JAX_MLA_TRITON_REDUCE_BLOCK_L"),
+            split_plan=split_plan_mode(),
+        )
+
+    @property
+    def tile_overrides(self) -> dict:
+        names = ("block_n", "num_warps", "num_stages")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+def split_plan_mode() -> str:
+    """``JAX_MLA_SPLIT_PLAN``: how the split schedule cuts the batch (``auto`` by default)."""
+    return env.read_choice("JAX_MLA_SPLIT_PLAN", PLAN_MODES, "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """One decode launch configuration (static)."""
+
+    heads_per_block: int  # HB
+    num_head_blocks: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int = 1
+    wg_split: bool = False  # score tile split across warpgroups (compile.py)
+    sm90: bool = False  # the Gluon two-warpgroup kernel (kernels/gluon/decode_sm90.py)
+    l2_hints: bool = True  # split partials stored evict_last (read evict_first by the reduce)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceConfig:
+    """How split partials are merged: the kernel and its tile (static)."""
+
+    affine: bool  # the two-load kernel for this package's consecutive partials
+    block_s: int  # partials a program reads at once
+    block_l: int  # latent columns a program merges
+    l2_hints: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonPlan(DecodePlan):
+    """The Triton backend's route for one problem.
+
+    Attributes (besides :class:`~jax_mla.backends.DecodePlan`'s):
+      kernel: the decode launch configuration.
+      num_programs: persistent programs per head block.
+      split_mode: the split schedule's mode (``auto``, ``line`` or ``even``).
+      reduce: the reduce's kernel and tile.
+      tuning: the overrides the plan was made with.
+    """
+
+    kernel: KernelConfig = None
+    num_programs: int = 1
+    split_mode: str = "auto"
+    reduce: ReduceConfig = None
+    tuning: TritonTuning = None
+
+    @property
+    def interpret(self) -> bool:
+        return not self.problem.target.gpu
+
+    def mismatches(self, problem: DecodeProblem) -> list[str]:
+        out = super().mismatches(problem)
+        if self.kernel.sm90 and problem.has_kv_scale:
+            out.append("has_kv_scale: planned False (the Hopper kernel takes none), call True")
+        return out
+
+
+@functools.cache
+def gluon_available() -> bool:
+    """Whether this triton has the Gluon pieces the sm_90 kernel uses (triton 3.6's API)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    params = list(inspect.signature(gl.warp_specialize).parameters)
+    return params[:3] == ["functions_and_args", "worker_num_warps", "worker_num_regs"]
+
+
+def sm90_supported(q_dtype, kv_dtype, kv_lora_rank: int, rope_dim: int, has_kv_scale: bool) -> bool:
+    """What the Gluon sm_90 kernel serves: 16-bit Q and cache of one dtype, DeepSeek geometry."""
+    return (jnp.dtype(q_dtype) == jnp.dtype(kv_dtype)
+            and jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and (kv_lora_rank, rope_dim) == (512, 64) and not has_kv_scale)
+
+
+def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bool = True,
+                  tuning: TritonTuning | None = None) -> KernelConfig:
+    """The decode tile for ``H`` heads x ``Q`` tokens on ``target`` (see the module's rules).
+
+    ``sm90``: whether the Gluon kernel may serve 64-row tiles on Hopper (False where it cannot
+    serve the call's dtypes or geometry). ``tuning`` defaults to the environment's.
+    """
+    target = as_target(target)
+    tuning = TritonTuning.from_env() if tuning is None else tuning
+    max_rows = tuning.max_rows or MAX_ROWS
+    min_block_m = tuning.min_block_m or 16
+    if target.gpu and not tuning.max_rows and 16 < qlen * num_heads <= 32 and qlen <= 16:
+        if target.hopper:
+            min_block_m = max(min_block_m, 64)
+        elif min_block_m <= 16:
+            max_rows = 16
+    hb = num_heads if qlen * num_heads <= max_rows else max(1, max_rows // qlen)
+    nhb = -(-num_heads // hb)
+    block_m = max(min_block_m, next_pow2(qlen * hb))
+    common = dict(heads_per_block=hb, num_head_blocks=nhb, block_m=block_m,
+                  l2_hints=tuning.l2_hints)
+    if not target.gpu:
+        return KernelConfig(**common, **INTERPRETER_TILE, ctas_per_sm=tuning.ctas_per_sm or 1)
+    if (sm90 and block_m == 64 and target.hopper and tuning.sm90_kernel
+            and not tuning.tile_overrides and gluon_available()):
+        return KernelConfig(**common, **SM90_TILE)
+    tile = dict(GPU_TILES[16 if block_m <= 16 else 64])
+    tile.update(tuning.tile_overrides)
+    if tuning.ctas_per_sm:
+        tile["ctas_per_sm"] = tuning.ctas_per_sm
+    # wgmma (Hopper): two warpgroups over 64 rows would both compute the whole score tile.
+    tile["wg_split"] = (target.hopper and block_m == 64 and tile["num_warps"] in (8, 16)
+                        and tuning.wg_split)
+    return KernelConfig(**common, **tile)
+
+
+def num_programs(cfg: KernelConfig, target) -> int:
+    """Persistent programs per head block: the whole grid is resident at once."""
+    return max(1, as_target(target).num_cores * cfg.ctas_per_sm // cfg.num_head_blocks)
+
+
+def reduce_block_s(num_programs: int, batch: int, gpu: bool,
+                   tuning: TritonTuning | None = None) -> int:
+    """Partials an affine reduce program reads at once: what a request of a fixed-length batch
+    splits into under the even-pieces plan, so most requests take one round trip; 2 to 8."""
+    tuning = TritonTuning.from_env() if tuning is None else tuning
+    if tuning.reduce_block_s is not None:
+        return tuning.reduce_block_s
+    if not gpu:
+        return 4
+    per = max(1, num_programs // max(batch, 1))
+    return max(2, min(next_pow2(per), 8))
+
+
+def reduce_block_l(block_s: int, lr: int, gpu: bool, tuning: TritonTuning | None = None) -> int:
+    """Latent columns an affine reduce program merges: a ``[block_s, 16, block_l]`` tile of
+    8 x 16 x 16 float32 on a GPU, so chunks of fewer partials take wider column blocks."""
+    tuning = TritonTuning.from_env() if tuning is None else tuning
+    if tuning.reduce_block_l is not None:
+        return tuning.reduce_block_l
+    if not gpu:
+        return min(128, next_pow2(lr))
+    return min(16 * max(1, 8 // block_s), next_pow2(lr))
+
+
+def reduce_config(programs: int, batch: int, kv_lora_rank: int, target: Target,
+                  tuning: TritonTuning) -> ReduceConfig:
+    """The reduce for this package's plans: the affine kernel's chunk and columns, or with
+    ``tuning.affine_reduce`` off the general kernel's tile."""
+    if not tuning.affine_reduce:
+        return general_reduce_config(kv_lora_rank, target, tuning.l2_hints)
+    block_s = reduce_block_s(programs, batch, target.gpu, tuning)
+    return ReduceConfig(affine=True, block_s=block_s,
+                        block_l=reduce_block_l(block_s, kv_lora_rank, target.gpu, tuning),
+                        l2_hints=tuning.l2_hints)
+
+
+def general_reduce_config(kv_lora_rank: int, target: Target, l2_hints: bool = True
+                          ) -> ReduceConfig:
+    """The general reduce (any partial map, e.g. AITER's plans): rounds of 8 partials (4 in the
+    interpreter) over 16 latent columns on a GPU, a ``[8, 16, 16]`` float32 tile."""
+    gpu = target.gpu
+    return ReduceConfig(affine=False, block_s=8 if gpu else 4,
+                        block_l=min(16 if gpu else 128, next_pow2(kv_lora_rank)),
+                        l2_hints=l2_hints)
+
+
+def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = None
+              ) -> TritonPlan:
+    """The :class:`TritonPlan` for ``problem`` (``tuning``: the environment's by default)."""
+    tuning = TritonTuning.from_env() if tuning is None else tuning
+    p, target = problem, problem.target
+    sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale)
+    cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning)
+    programs = num_programs(cfg, target)
+    return TritonPlan(
+        backend=name, problem=problem, padded_heads=p.num_heads, kernel=cfg,
+        num_programs=programs, split_mode=tuning.split_plan,
+        reduce=reduce_config(programs, p.num_seqs, p.kv_lora_rank, target, tuning),
+        tuning=tuning)

@@ -1,0 +1,94 @@
+"""GPU time read from CUPTI: what each kernel of a call costs, with no launch gaps or host time.
+
+``torch.profiler`` records every kernel, memset and memcpy the process launches (JAX's included)
+through CUPTI. :func:`kernel_times` runs a jitted call ``calls`` times and returns, per call, each
+kernel's time, their sum (the call's *GPU time*) and how many launches a call makes;
+:func:`chain_gaps` profiles the bench's timing chain (``timing.chained``) and splits its span into
+kernels and the idle gaps between them. Both need torch with CUDA (the GPU machine's image).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+
+import jax
+
+
+def _events(prof) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    ev = [e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    return sorted(ev, key=lambda e: float(e["ts"]))
+
+
+def _profile(run):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    return _events(prof)
+
+
+def family(name: str) -> str:
+    """Our kernels by family; XLA's ops by name without the per-call ``_N`` suffix."""
+    for key in ("mla_decode_sm90", "mla_decode", "mla_reduce_affine", "mla_reduce",
+                "prefill_fwd"):
+        if name.startswith(key):
+            return key
+    return re.sub(r"_\d+$", "", name)[:48]
+
+
+def kernel_times(fn, *args, calls: int = 20) -> dict:
+    """``{"gpu_us": per call, "launches": per call, "kernels_us": {family: us per call},
+    "memcpy_launches": per call}`` for ``jax.jit(fn)(*args)``."""
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+
+    def run():
+        for _ in range(calls):
+            jax.block_until_ready(f(*args))
+
+    ev = _profile(run)
+    per = {}
+    for e in ev:
+        k = family(e["name"])
+        per[k] = per.get(k, 0.0) + float(e.get("dur", 0.0)) / calls
+    return {"gpu_us": sum(per.values()), "launches": len(ev) / calls,
+            "memcpy_launches": sum(e.get("cat") == "gpu_memcpy" for e in ev) / calls,
+            "kernels_us": per}
+
+
+def chain_gaps(fn, *args, n: int = 32) -> dict:
+    """The timing chain of ``n`` dependent calls under CUPTI: its GPU span per call, each kernel
+    family's own time and the idle gap before it, per call."""
+    from jax_mla.bench.timing import chained
+
+    many = chained(fn, n)
+    jax.block_until_ready(many(*args))
+    ev = _profile(lambda: jax.block_until_ready(many(*args)))
+    span = (float(ev[-1]["ts"]) + float(ev[-1]["dur"]) - float(ev[0]["ts"])) / n
+    own, gap = {}, {}
+    for a, b in zip(ev, ev[1:] + [None]):
+        k = family(a["name"])
+        own[k] = own.get(k, 0.0) + float(a["dur"]) / n
+        if b is not None:
+            kb = family(b["name"])
+            gap[kb] = gap.get(kb, 0.0) + (float(b["ts"]) - float(a["ts"]) - float(a["dur"])) / n
+    return {"span_us": span, "kernels_us": own, "gap_before_us": gap, "launches": len(ev) / n}
+
+
+def available() -> bool:
+    """Whether CUPTI can be read here (torch with a CUDA device)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

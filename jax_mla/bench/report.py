@@ -1,0 +1,188 @@
+"""``RESULTS.md`` for one device's results folder, generated from its JSON files.
+
+    python -m jax_mla.bench.report benchmarks/results/h200
+
+Reads whatever of these the folder holds (the stages of ``python -m jax_mla.bench.session``):
+``decode.json`` (the grid, both timers), ``decode_before.json`` (the same grid run in the same
+session on an earlier tree, for a before/after table), ``kernels.json`` and
+``kernels_before.json`` (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``,
+``aiter_bridge.json``, ``ab.json``, ``conformance.json`` (the GPU test summary), and
+``tried.md`` (what was measured and kept or dropped, in words), and writes ``RESULTS.md`` next
+to them. Ratios are against the ceilings measured in the same run (copy bandwidth, bf16 matmul).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+FALLBACK_CEILINGS = {"copy_bytes_per_s": 4.27e12, "bf16_matmul_flops": 7.9e14}
+
+
+def _load(folder, name):
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _f(x, nd=1):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _ceilings(env: dict) -> dict:
+    if env.get("plausible") and env.get("copy_bytes_per_s"):
+        return {k: env[k] for k in FALLBACK_CEILINGS}
+    return dict(FALLBACK_CEILINGS)
+
+
+def decode_table(data) -> str:
+    env, rows = data["environment"], data["rows"]
+    ceil = _ceilings(env)
+    out = [f"Device {env.get('device')}, jax {env.get('jax')}, triton {env.get('triton')}, "
+           f"jax-triton {env.get('jax_triton')}, {env.get('date')}. Ceilings of the run: copy "
+           f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+           f"{ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s.", "",
+           "| shape | backend | stream µs | GPU µs | launches | TB/s | % copy | TFLOP/s | "
+           "% matmul | × XLA | metadata µs (launches) | rel err |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['shape']} | {r.get('backend', '-')} | error: "
+                       f"{r['error'][:80]} |||||||||")
+            continue
+        out.append(
+            f"| {r['shape']} | {r['backend']} | {_f(r['us'])} | {_f(r.get('gpu_us'))} | "
+            f"{_f(r.get('launches'), 0)} | {r['kv_TBps']:.2f} | "
+            f"{100 * r['kv_TBps'] * 1e12 / ceil['copy_bytes_per_s']:.0f} | {r['TFLOPs']:.0f} | "
+            f"{100 * r['TFLOPs'] * 1e12 / ceil['bf16_matmul_flops']:.0f} | "
+            f"{_f(r.get('speedup_vs_xla'))} | {_f(r.get('metadata_us'))} "
+            f"({_f(r.get('metadata_launches'), 0)}) | "
+            f"{r.get('rel_err_vs_xla', float('nan')):.1e} |")
+    return "\n".join(out)
+
+
+def before_after_table(before, after, backend="triton") -> str:
+    """Stream time (and GPU time where both have it) of the same shapes, before and after."""
+    b = {r["shape"]: r for r in before["rows"] if r.get("backend") == backend and "us" in r}
+    out = ["| shape | before µs | after µs | after / before | before GPU µs | after GPU µs |",
+           "|---|---|---|---|---|---|"]
+    ratios = []
+    for r in after["rows"]:
+        if r.get("backend") != backend or "us" not in r or r["shape"] not in b:
+            continue
+        o = b[r["shape"]]
+        ratios.append(r["us"] / o["us"])
+        out.append(f"| {r['shape']} | {o['us']:.1f} | {r['us']:.1f} | {ratios[-1]:.3f} | "
+                   f"{_f(o.get('gpu_us'))} | {_f(r.get('gpu_us'))} |")
+    if ratios:
+        ratios.sort()
+        out.append("")
+        out.append(f"After / before over {len(ratios)} shapes: median "
+                   f"{ratios[len(ratios) // 2]:.3f}, range {ratios[0]:.3f} to {ratios[-1]:.3f}.")
+    return "\n".join(out)
+
+
+def kernels_table(rows, before=None) -> str:
+    prev = {r["shape"]: r for r in (before or [])}
+    out = ["| shape | GPU µs / call | launches / call | memcpys / call | kernels (µs) | "
+           "before: GPU µs, launches |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["kernels_us"].items(),
+                                                        key=lambda kv: -kv[1])[:4])
+        p = prev.get(r["shape"])
+        pb = f"{p['gpu_us']:.1f}, {p['launches']:.0f}" if p else "-"
+        out.append(f"| {r['shape']} | {r['gpu_us']:.1f} | {r['launches']:.0f} | "
+                   f"{r.get('memcpy_launches', 0):.0f} | {ks} | {pb} |")
+    return "\n".join(out)
+
+
+def prefill_table(data) -> str:
+    out = ["| shape | backend | µs | TFLOP/s | × XLA |", "|---|---|---|---|---|"]
+    for r in data.get("rows", []):
+        out.append(f"| {r['shape']} | {r['backend']} | {r['us']:.1f} | {r['TFLOPs']:.0f} | "
+                   f"{_f(r.get('speedup_vs_xla'))} |")
+    return "\n".join(out)
+
+
+def dcp_table(data) -> str:
+    out = ["| shape | N | local tokens | gathered heads | local attention µs | merge ag_rs µs | "
+           "merge a2a µs | merge share (ag_rs / a2a) |", "|---|---|---|---|---|---|---|---|"]
+    for r in data.get("rows", []):
+        if "local_attn_s" not in r:
+            continue
+        out.append(f"| {r['shape']} | {r['world_size']} | {r['local_seq_len']} | "
+                   f"{r['gathered_heads']} | {r['local_attn_s'] * 1e6:.1f} | "
+                   f"{r['merge_ag_rs_s'] * 1e6:.1f} | {r['merge_a2a_s'] * 1e6:.1f} | "
+                   f"{r['merge_share_ag_rs']:.2f} / {r['merge_share_a2a']:.2f} |")
+    return "\n".join(out)
+
+
+def ab_table(rows) -> str:
+    out = ["| shape | variant | best stream µs | × first | GPU µs | rel err vs first |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
+                   f"{r['vs_first']:.3f} | {_f(r.get('gpu_us'))} | {r['rel_err_vs_first']:.1e} |")
+    return "\n".join(out)
+
+
+def report(folder: str) -> str:
+    name = os.path.basename(os.path.normpath(folder))
+    parts = [f"# Results: {name}", "",
+             f"Generated by `python -m jax_mla.bench.report {folder}` from the JSON files of "
+             "this folder (the latest device session). Stream time: wall time per call in a "
+             "chain of dependent calls. GPU time: the CUPTI sum of a call's kernels.", ""]
+    conf = _load(folder, "conformance.json")
+    if conf:
+        parts += ["## GPU conformance", "", conf.get("summary", ""), ""]
+    dec = _load(folder, "decode.json")
+    if dec:
+        parts += ["## Decode grid", "", decode_table(dec), ""]
+    before = _load(folder, "decode_before.json")
+    if dec and before:
+        parts += ["## Before and after (same session)", "",
+                  before.get("environment", {}).get("note", ""), "",
+                  before_after_table(before, dec), ""]
+    ker = _load(folder, "kernels.json")
+    if ker:
+        parts += ["## Kernels per call (CUPTI)", "",
+                  kernels_table(ker, _load(folder, "kernels_before.json")), ""]
+    ab = _load(folder, "ab.json")
+    if ab:
+        parts += ["## Tuning A/B (same run)", "", ab_table(ab), ""]
+    pre = _load(folder, "prefill.json")
+    if pre:
+        parts += ["## Prefill", "", prefill_table(pre), ""]
+    dcp = _load(folder, "dcp_split.json")
+    if dcp:
+        parts += ["## DCP simulated on one GPU", "", dcp_table(dcp), ""]
+    aiter = _load(folder, "aiter_bridge.json")
+    if aiter:
+        parts += ["## AITER bridge with the stand-in (not AMD hardware)", "",
+                  f"{aiter.get('summary')}; host µs per call: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in aiter.get("overhead_us", {}).items()),
+                  ""]
+    tried = os.path.join(folder, "tried.md")
+    if os.path.exists(tried):
+        with open(tried) as f:
+            parts += [f.read().strip(), ""]
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m jax_mla.bench.report RESULTS_FOLDER", file=sys.stderr)
+        return 2
+    text = report(argv[0])
+    with open(os.path.join(argv[0], "RESULTS.md"), "w") as f:
+        f.write(text)
+    print(f"wrote {os.path.join(argv[0], 'RESULTS.md')} ({len(text.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

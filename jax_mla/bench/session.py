@@ -1,0 +1,143 @@
+"""One device session: GPU correctness and every benchmark, in one call, each stage to ``$OUT``.
+
+``python -m jax_mla.bench.session STAGE[,STAGE...] [-- BENCH ARGS]`` from a checkout (the test
+stages run its ``tests/``). A stage that fails is logged and the next one runs. Stages:
+
+- ``env``: devices, versions, clocks;
+- ``tests``: the conformance suite on the GPU (``tests_quick``: without its long ragged cases);
+- ``bench``: the decode grid, both timers, every backend (``python -m jax_mla.bench`` with the
+  arguments after ``--``);
+- ``kernels``: each kernel's GPU time and launches per call (CUPTI) at :data:`KERNEL_SHAPES`;
+- ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
+- ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
+- ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`.
+
+Results go to ``$OUT`` (JSON and CSV; no logs or traces); ``python -m jax_mla.bench.report``
+turns a folder of them into ``RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+OUT = os.environ.get("OUT", os.path.join(tempfile.gettempdir(), "jax_mla_bench"))
+T0 = time.time()
+
+KERNEL_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "64,16,4096,4",
+                 "128,16,8192", "128,128,4096", "8,128,32768", "64,16,4096,1,64,fp8",
+                 "128,128,4096,1,64,fp8")
+AB_SHAPES = ("32,16,4096", "64,16,4096,4", "128,128,4096")
+AB_VARIANTS = ("base", "general:affine_reduce=0", "line:split_plan=line", "no_l2:l2_hints=0")
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def _python(args, timeout, name):
+    """Run ``python args...`` with the GPU environment (no interpreter); log its tail."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OUT"] = OUT
+    try:
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                           timeout=timeout, env=env)
+        text, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"TIMEOUT after {timeout}s\n{e.stdout or ''}", -1
+    tail = [ln for ln in str(text).strip().splitlines() if ln.strip()][-12:]
+    log(f"{name} rc={rc}\n  " + "\n  ".join(tail))
+    return rc
+
+
+def stage_env(_):
+    import jax
+
+    log("devices", jax.devices(), "jax", jax.__version__)
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,"
+                        "power.draw,temperature.gpu", "--format=csv"], capture_output=True,
+                       text=True)
+    log(r.stdout.strip())
+
+
+def stage_tests(_):
+    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"], 480,
+            "conformance")
+
+
+def stage_tests_quick(_):
+    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
+             "not long_ragged"], 300, "conformance (quick)")
+
+
+def stage_bench(bench_args):
+    _python(["-m", "jax_mla.bench", "--out", OUT, *bench_args], 1200, "bench")
+
+
+def stage_kernels(_):
+    import numpy as np
+
+    from jax_mla.bench import profile
+    from jax_mla.bench.decode import Shape, attention_call
+
+    rows = []
+    for spec in KERNEL_SHAPES:
+        shape = Shape.parse(spec)
+        fn, args = attention_call(shape, np.random.default_rng(0))
+        row = {"shape": shape.name, **profile.kernel_times(fn, *args)}
+        rows.append(row)
+        log(f"{shape.name}: GPU {row['gpu_us']:.1f} us, {row['launches']:.1f} launches/call "
+            + " | ".join(f"{k} {v:.1f}" for k, v in row["kernels_us"].items()))
+    with open(os.path.join(OUT, "kernels.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def stage_prefill(_):
+    _python(["-m", "jax_mla.bench.prefill", "--out", os.path.join(OUT, "prefill.json")], 900,
+            "prefill")
+
+
+def stage_dcp(_):
+    _python(["-m", "jax_mla.bench.dcp_split", "--out", OUT], 600, "dcp")
+
+
+def stage_aiter(_):
+    env_note = "XLA_PYTHON_CLIENT_PREALLOCATE=false leaves GPU memory for the torch stand-in"
+    log(env_note)
+    _python(["-m", "jax_mla.bench.aiter"], 240, "aiter bridge")
+
+
+def stage_ab(_):
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "ab.json"), *AB_VARIANTS, "--",
+             *AB_SHAPES], 900, "ab")
+
+
+STAGES = {name[len("stage_"):]: fn for name, fn in globals().items()
+          if name.startswith("stage_")}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    stages = argv[0].split(",") if argv else ["env", "tests", "bench"]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        print(f"unknown stages {unknown}; stages: {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    os.makedirs(OUT, exist_ok=True)
+    for name in stages:
+        log(f"== {name}")
+        try:
+            STAGES[name](bench_args)
+        except Exception as e:  # noqa: BLE001 - a failing stage is logged; the others still run
+            log(f"stage {name} failed: {e!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

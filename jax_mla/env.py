@@ -1,0 +1,90 @@
+"""Every environment variable jax_mla reads, in one table, read in one place.
+
+Tuning knobs are read once, when a plan is built (``build_decode_metadata``, or
+``mla_attention`` planning for metadata built without one), into the frozen tuning object of
+that plan; the plan is part of the jit cache key, so changing a variable changes the plan of the
+next metadata built and never a compiled program already traced. Passing ``tuning=`` to
+``build_decode_metadata`` does the same without the environment.
+
+The table (``docs/tuning.md`` has it too); Triton decode knobs override the rules of
+``jax_mla/backends/triton/plan.py``:
+
+- ``JAX_MLA_TRITON_BLOCK_N`` / ``_WARPS`` / ``_STAGES``: the Triton decode tile (any set keeps
+  the Gluon kernel out).
+- ``JAX_MLA_TRITON_CTAS_PER_SM``: persistent decode programs per multiprocessor.
+- ``JAX_MLA_TRITON_MAX_ROWS``: most MMA rows (query tokens x heads) a program holds (64).
+- ``JAX_MLA_TRITON_MIN_BLOCK_M``: smallest MMA tile in rows (16).
+- ``JAX_MLA_TRITON_WG_SPLIT=0``: the 64-row Triton tile without its warpgroup column split.
+- ``JAX_MLA_TRITON_SM90_KERNEL=0``: 64-row tiles on Hopper run Triton, not the Gluon kernel.
+- ``JAX_MLA_TRITON_L2_HINTS=0``: split partials with the default L2 policy.
+- ``JAX_MLA_TRITON_AFFINE_REDUCE=0``: this package's plans merged by the general reduce.
+- ``JAX_MLA_TRITON_REDUCE_BLOCK_S`` / ``_BLOCK_L``: the reduce's chunk and column block.
+- ``JAX_MLA_SPLIT_PLAN``: the split schedule, ``auto`` (default), ``line`` or ``even``.
+- ``JAX_MLA_AITER_SMALL_HEAD_MODE``: AITER below 16 heads, ``auto`` (default), ``gluon``, ``asm``.
+- ``JAX_MLA_POISON_OUTPUTS=1``: interpreted (CPU) kernels see their outputs filled with NaN / -1
+  before they run (tests; read at run time, not planning).
+- ``TRITON_INTERPRET``: Triton's own switch; on a CPU host jax_mla sets it to ``1`` when triton
+  is not yet imported.
+
+Nothing else in the package reads ``os.environ`` for jax_mla's own settings.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_VARS = (
+    "JAX_MLA_TRITON_BLOCK_N", "JAX_MLA_TRITON_WARPS", "JAX_MLA_TRITON_STAGES",
+    "JAX_MLA_TRITON_CTAS_PER_SM", "JAX_MLA_TRITON_MAX_ROWS", "JAX_MLA_TRITON_MIN_BLOCK_M",
+    "JAX_MLA_TRITON_WG_SPLIT", "JAX_MLA_TRITON_SM90_KERNEL", "JAX_MLA_TRITON_L2_HINTS",
+    "JAX_MLA_TRITON_AFFINE_REDUCE", "JAX_MLA_TRITON_REDUCE_BLOCK_S",
+    "JAX_MLA_TRITON_REDUCE_BLOCK_L", "JAX_MLA_SPLIT_PLAN", "JAX_MLA_AITER_SMALL_HEAD_MODE",
+    "JAX_MLA_POISON_OUTPUTS", "TRITON_INTERPRET",
+)
+
+
+def _get(name: str) -> str | None:
+    if name not in ENV_VARS:
+        raise KeyError(f"{name} is not in jax_mla's table of environment variables")
+    v = os.environ.get(name)
+    return v.strip() if v is not None and v.strip() else None
+
+
+def read_int(name: str) -> int | None:
+    """The integer in ``name``, or None when unset or empty."""
+    v = _get(name)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} must be an integer") from None
+
+
+def read_flag(name: str, default: bool) -> bool:
+    """``0`` turns a default-on knob off; anything else set turns a default-off knob on."""
+    v = _get(name)
+    if v is None:
+        return default
+    return v != "0"
+
+
+def read_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """One of ``choices`` (case and surrounding blanks ignored), or a clear error."""
+    v = (_get(name) or default).lower()
+    if v not in choices:
+        raise ValueError(f"{name}={v!r} must be one of {', '.join(choices)}")
+    return v
+
+
+def poison_outputs() -> bool:
+    return _get("JAX_MLA_POISON_OUTPUTS") == "1"
+
+
+def interpreter_enabled() -> bool:
+    return _get("TRITON_INTERPRET") == "1"
+
+
+def choose_interpreter() -> None:
+    """On a CPU host, ask Triton for its interpreter (only effective before triton's import)."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
