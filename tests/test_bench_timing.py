@@ -61,8 +61,7 @@ def test_decode_rows_carry_both_timers_and_match_xla(monkeypatch):
         pytest.skip("needs the Triton backend")
     shape = decode.Shape(2, 4, 40, qlen=2, page=8)
     ceil = {"copy_bytes_per_s": 1e12, "bf16_matmul_flops": 1e14}
-    rows = decode.run_shape(shape, ["xla", "triton"], ceil, np.random.default_rng(0),
-                            gpu_time=False)
+    rows = decode.run_shape(shape, ["xla", "triton"], ceil, np.random.default_rng(0))
     assert [r["backend"] for r in rows] == ["xla", "triton"]
     for r in rows:
         assert r["us"] > 0 and r["kernel_us"] > 0 and r["metadata_us"] > 0, r

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import jax_mla
-from jax_mla.bench import decode, timing
+from jax_mla.bench import decode, profile, timing
 from jax_mla.bench.timing import ceilings
 from jax_mla.problem import current_platform
 
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--plot", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-gpu-time", action="store_true", help="skip the CUPTI pass")
     p.add_argument("--min-ms", type=float, default=20.0,
                    help="shortest timed program (ms): amortises its dispatch and sync")
     args = p.parse_args(argv)
@@ -120,19 +121,30 @@ def main(argv=None) -> int:
     shapes = decode.target_shapes(args.quick)
     if args.tags:
         shapes = [s for s in shapes if s.tag in args.tags.split(",")]
-    rng = np.random.default_rng(args.seed)
     rows = []
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is optional
         def tqdm(x, **_):
             return x
-    for shape in tqdm(shapes, desc="decode", file=sys.stdout):
+    # Inputs depend on (seed, shape index) only: the GPU-time pass rebuilds the same ones.
+    for i, shape in enumerate(tqdm(shapes, desc="decode", file=sys.stdout)):
         try:
-            rows += decode.run_shape(shape, backends, ceil, rng)
+            rows += decode.run_shape(shape, backends, ceil, np.random.default_rng([args.seed, i]))
         except Exception as e:  # noqa: BLE001 - a shape that fails is data; the rest still run
             rows.append({"shape": shape.name, "backend": "-", "error": repr(e)[:300]})
         write(rows, env, args.out, "decode")  # after every shape: a timeout keeps what ran
+    if profile.available() and not args.no_gpu_time:
+        for i, shape in enumerate(tqdm(shapes, desc="GPU time (CUPTI)", file=sys.stdout)):
+            try:
+                got = decode.gpu_time_rows(shape, backends, np.random.default_rng([args.seed, i]))
+            except Exception as e:  # noqa: BLE001 - stream times stand without it
+                print(f"{shape.name}: no GPU time ({e!r:.200})")
+                continue
+            for r in rows:
+                if r["shape"] == shape.name and r.get("backend") in got:
+                    r.update(got[r["backend"]])
+            write(rows, env, args.out, "decode")
     print_table(rows, ["shape", "backend", "us", "gpu_us", "launches", "kernel_us",
                        "metadata_us", "metadata_launches", "kv_TBps", "TFLOPs", "frac_copy",
                        "frac_matmul", "speedup_vs_xla", "rel_err_vs_xla", "lse_max_abs_err",

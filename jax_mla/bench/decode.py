@@ -7,7 +7,9 @@ metadata built once, as a model step shares it across layers:
   (``timing.device_time``), and the roofline figures from it (TB/s of KV read, TFLOP/s, fractions
   of the ceilings measured in the same run; FLOPs and bytes as in docs/design.md §10);
 - ``gpu_us``: *GPU time*, the CUPTI sum of the call's kernels (``profile.kernel_times``, on a
-  CUDA GPU with torch), with ``launches`` per call;
+  CUDA GPU with torch), with ``launches`` per call. It is measured in a second pass
+  (:func:`gpu_time_rows`), after every stream time: once CUPTI has traced a process, every launch
+  in it costs more, which a stream time would then count;
 - ``kernel_us``: the backend's ``decode`` alone (no padding or casts) in the same chain;
 - ``metadata_us`` / ``metadata_gpu_us`` / ``metadata_launches``: building the step's metadata
   and plan arrays, once per step.
@@ -154,10 +156,8 @@ def attention_call(shape: Shape, rng, backend: str = "triton", *, tuning=None,
     return fn, (q, cache, md)
 
 
-def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE,
-              gpu_time: bool | None = None) -> list:
-    """One row per backend for ``shape`` (same inputs), errors against the XLA backend."""
-    gpu_time = profile.available() if gpu_time is None else gpu_time
+def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
+    """One row per backend for ``shape`` (same inputs): stream times, errors against XLA."""
     q, cache, table, lens, kv_scale = make_inputs(shape, rng)
     lens_np = np.asarray(lens)
     rows, outs = [], {}
@@ -165,11 +165,7 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE,
         build = builder(shape, name)
         md = jax.jit(build)(table, lens)
         impl = get_backend(name)
-
-        def e2e(q, cache, md):
-            # What a model calls once per layer: head padding, kernels, merge, unpadding.
-            return jax_mla.mla_attention(q, cache, md, scale=scale, return_lse=True,
-                                         kv_scale=kv_scale)
+        e2e = _e2e(kv_scale, scale)
 
         def kernels(q, cache, md, impl=impl):
             return impl.decode(q, cache, md, plan=md.plan, scale=scale, q_scale=None,
@@ -182,12 +178,6 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE,
                "kernel_us": (device_time(kernels, q, cache, md) if name != "xla" else t_e2e) * 1e6,
                "metadata_us": device_time(build, table, lens) * 1e6}
         row["e2e_over_kernel"] = row["us"] / row["kernel_us"]
-        if gpu_time:
-            k = profile.kernel_times(e2e, q, cache, md)
-            m = profile.kernel_times(build, table, lens)
-            row.update(gpu_us=k["gpu_us"], launches=k["launches"], gpu_kernels_us=k["kernels_us"],
-                       metadata_gpu_us=m["gpu_us"], metadata_launches=m["launches"],
-                       metadata_memcpys=m["memcpy_launches"])
         outs[name] = jax.jit(e2e)(q, cache, md)
         rows.append(row)
     if "xla" in outs:
@@ -201,3 +191,28 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE,
                                                           - np.asarray(ref_l)[fin])))
             row["speedup_vs_xla"] = xla_us / row["us"]
     return rows
+
+
+def _e2e(kv_scale, scale):
+    def e2e(q, cache, md):
+        # What a model calls once per layer: head padding, kernels, merge, unpadding.
+        return jax_mla.mla_attention(q, cache, md, scale=scale, return_lse=True,
+                                     kv_scale=kv_scale)
+
+    return e2e
+
+
+def gpu_time_rows(shape: Shape, backends, rng, *, scale=DEEPSEEK_SCALE) -> dict:
+    """``{backend: {gpu_us, launches, gpu_kernels_us, metadata_gpu_us, metadata_launches,
+    metadata_memcpys}}`` for ``shape`` from CUPTI (run after every stream time of a process)."""
+    q, cache, table, lens, kv_scale = make_inputs(shape, rng)
+    out = {}
+    for name in backends:
+        build = builder(shape, name)
+        md = jax.jit(build)(table, lens)
+        k = profile.kernel_times(_e2e(kv_scale, scale), q, cache, md)
+        m = profile.kernel_times(build, table, lens)
+        out[name] = dict(gpu_us=k["gpu_us"], launches=k["launches"],
+                         gpu_kernels_us=k["kernels_us"], metadata_gpu_us=m["gpu_us"],
+                         metadata_launches=m["launches"], metadata_memcpys=m["memcpy_launches"])
+    return out
