@@ -223,14 +223,16 @@ def test_triton_64_row_tiles_bf16(rng, monkeypatch, num_heads, qlen, page_size, 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
 @pytest.mark.parametrize("num_heads, qlen, page_size", [(128, 1, 64), (16, 4, 16), (32, 1, 1)])
-def test_triton_64_row_tiles_long_ragged_bf16(rng, num_heads, qlen, page_size):
+def test_triton_64_row_tiles_long_ragged_bf16(rng, monkeypatch, num_heads, qlen, page_size):
     """Long, ragged requests in bf16: on a GPU, KV ranges split over many programs, programs
     with several works, works with odd numbers of 64-token tiles (the Gluon kernel takes them in
     pairs), requests shorter than the verify block and empty ones. Shorter on CPU (interpreter).
-    """
+    The line plan (read when a plan is built) cuts requests anywhere, so programs get several
+    works; the even-pieces plan would give each program one."""
     from jax_mla.backends.triton.plan import kernel_config
     from jax_mla.problem import detect_target
 
+    monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "line")
     target = detect_target()
     gpu = target.gpu
     lens = [20011, 0, qlen - 1, 12345, 777, 64, 129, 3000] if gpu else [300, 0, qlen - 1, 65, 129]

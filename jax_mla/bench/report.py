@@ -6,9 +6,11 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 ``decode.json`` (the grid, both timers), ``decode_before.json`` (the same grid run in the same
 session on an earlier tree, for a before/after table), ``kernels.json`` and
 ``kernels_before.json`` (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``,
-``aiter_bridge.json``, ``ab.json``, ``conformance.json`` (the GPU test summary), and
-``tried.md`` (what was measured and kept or dropped, in words), and writes ``RESULTS.md`` next
-to them. Ratios are against the ceilings measured in the same run (copy bandwidth, bf16 matmul).
+``aiter_bridge.json``, ``ab.json``, ``latency_ab.json``, ``conformance.json`` (the GPU test
+summary), and ``tried.md`` (what was measured and kept or dropped, in words), and writes
+``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
+(docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16 matmul); the bench's own
+in-run probes are shown beside them, since they move with the GPU's clocks from run to run.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import os
 import sys
 
-FALLBACK_CEILINGS = {"copy_bytes_per_s": 4.27e12, "bf16_matmul_flops": 7.9e14}
+REFERENCE_CEILINGS = {"copy_bytes_per_s": 4.27e12, "bf16_matmul_flops": 7.9e14}
 
 
 def _load(folder, name):
@@ -32,19 +34,19 @@ def _f(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-def _ceilings(env: dict) -> dict:
-    if env.get("plausible") and env.get("copy_bytes_per_s"):
-        return {k: env[k] for k in FALLBACK_CEILINGS}
-    return dict(FALLBACK_CEILINGS)
+def _e(x):
+    return "-" if x is None else f"{x:.1e}"
 
 
 def decode_table(data) -> str:
     env, rows = data["environment"], data["rows"]
-    ceil = _ceilings(env)
+    ceil = REFERENCE_CEILINGS
+    probe = (f" (the run's own probes: {env['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+             f"{env['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s)" if "copy_bytes_per_s" in env else "")
     out = [f"Device {env.get('device')}, jax {env.get('jax')}, triton {env.get('triton')}, "
-           f"jax-triton {env.get('jax_triton')}, {env.get('date')}. Ceilings of the run: copy "
-           f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-           f"{ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s.", "",
+           f"jax-triton {env.get('jax_triton')}, {env.get('date')}. {env.get('note', '')}", "",
+           f"Ratios against copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s and bf16 matmul "
+           f"{ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s{probe}.", "",
            "| shape | backend | stream µs | GPU µs | launches | TB/s | % copy | TFLOP/s | "
            "% matmul | × XLA | metadata µs (launches) | rel err |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -59,8 +61,7 @@ def decode_table(data) -> str:
             f"{100 * r['kv_TBps'] * 1e12 / ceil['copy_bytes_per_s']:.0f} | {r['TFLOPs']:.0f} | "
             f"{100 * r['TFLOPs'] * 1e12 / ceil['bf16_matmul_flops']:.0f} | "
             f"{_f(r.get('speedup_vs_xla'))} | {_f(r.get('metadata_us'))} "
-            f"({_f(r.get('metadata_launches'), 0)}) | "
-            f"{r.get('rel_err_vs_xla', float('nan')):.1e} |")
+            f"({_f(r.get('metadata_launches'), 0)}) | {_e(r.get('rel_err_vs_xla'))} |")
     return "\n".join(out)
 
 
@@ -85,6 +86,17 @@ def before_after_table(before, after, backend="triton") -> str:
     return "\n".join(out)
 
 
+def latency_table(data) -> str:
+    out = [data.get("note", ""), "", "| shape | before best µs | after best µs | before rounds | "
+           "after rounds |", "|---|---|---|---|---|"]
+    for spec, b in data["before"].items():
+        a = data["after"].get(spec, {})
+        out.append(f"| {spec} | {b['best_us']:.1f} | {_f(a.get('best_us'))} | "
+                   f"{', '.join(f'{x:.1f}' for x in b['rounds_us'])} | "
+                   f"{', '.join(f'{x:.1f}' for x in a.get('rounds_us', []))} |")
+    return "\n".join(out)
+
+
 def kernels_table(rows, before=None) -> str:
     prev = {r["shape"]: r for r in (before or [])}
     out = ["| shape | GPU µs / call | launches / call | memcpys / call | kernels (µs) | "
@@ -93,7 +105,8 @@ def kernels_table(rows, before=None) -> str:
         ks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["kernels_us"].items(),
                                                         key=lambda kv: -kv[1])[:4])
         p = prev.get(r["shape"])
-        pb = f"{p['gpu_us']:.1f}, {p['launches']:.0f}" if p else "-"
+        pb = (f"{p['gpu_us']:.1f}, {p['launches']:.0f} ({p.get('memcpy_launches', 0):.0f} memcpys)"
+              if p else "-")
         out.append(f"| {r['shape']} | {r['gpu_us']:.1f} | {r['launches']:.0f} | "
                    f"{r.get('memcpy_launches', 0):.0f} | {ks} | {pb} |")
     return "\n".join(out)
@@ -146,6 +159,10 @@ def report(folder: str) -> str:
         parts += ["## Before and after (same session)", "",
                   before.get("environment", {}).get("note", ""), "",
                   before_after_table(before, dec), ""]
+    lat = _load(folder, "latency_ab.json")
+    if lat:
+        parts += ["## Stream time at small shapes, before and after, without CUPTI", "",
+                  latency_table(lat), ""]
     ker = _load(folder, "kernels.json")
     if ker:
         parts += ["## Kernels per call (CUPTI)", "",
