@@ -111,7 +111,7 @@ class DecodeProblem:
     """Everything static about one decode/verify step, as backends see it.
 
     Attributes:
-      num_seqs: ``B`` requests; num_rows ``T = B * Q``.
+      num_seqs: ``B`` requests (``T = B * Q`` rows).
       qlen: ``Q`` query tokens per request.
       num_heads: real query heads ``H`` (the call's ``q.shape[1]``).
       page_size: rows per cache page.
@@ -136,14 +136,3 @@ class DecodeProblem:
     target: Target
     has_kv_scale: bool = False
     return_lse: bool = False
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_seqs * self.qlen
-
-    @property
-    def platform(self) -> str:
-        return self.target.platform
-
-    def replace(self, **kw) -> DecodeProblem:
-        return dataclasses.replace(self, **kw)

@@ -174,7 +174,7 @@ def bench_dcp_split(timer: Callable[..., float], *, backend: str = "auto",
 
 
 def target_shapes(quick: bool = False) -> list[SplitShape]:
-    """The issue's grid (B 32-128, H 16, total context 32k-128k, decode) or a CPU smoke grid."""
+    """The DCP grid (B 32-128, H 16, total context 32k-128k, decode) or a CPU smoke grid."""
     if quick:
         return [SplitShape(batch=2, heads=2, seq=200, page=16, dtype="float32", kv_lora_rank=64,
                            rope_dim=16),

@@ -54,7 +54,7 @@ def uniform(batch: int, seq: int, heads: int, **kw) -> PrefillShape:
 
 
 def target_shapes(quick: bool = False) -> list[PrefillShape]:
-    """Issue 4's grid: 16 and 128 heads, 192/128, causal; long sequences at 16k tokens per call
+    """The prefill grid: 16 and 128 heads, 192/128, causal; long sequences at 16k tokens per call
     (tritonbench's B*S = 16k), short ones (128..1k) with many requests, a varlen mix, and one
     non-causal point for the non-causal FA aim."""
     if quick:

@@ -8,6 +8,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``bench``: the decode grid, both timers, every backend (``python -m jax_mla.bench`` with the
   arguments after ``--``);
 - ``kernels``: each kernel's GPU time and launches per call (CUPTI) at :data:`KERNEL_SHAPES`;
+- ``gaps``: where the stream time goes at :data:`GAP_SHAPES`: the timing chain under CUPTI, each
+  kernel's time and the GPU's idle gap before it;
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`.
@@ -31,6 +33,7 @@ T0 = time.time()
 KERNEL_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "64,16,4096,4",
                  "128,16,8192", "128,128,4096", "8,128,32768", "64,16,4096,1,64,fp8",
                  "128,128,4096,1,64,fp8")
+GAP_SHAPES = ("1,16,1024", "32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_SHAPES = ("32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_VARIANTS = ("base", "general:affine_reduce=0", "line:split_plan=line", "no_l2:l2_hints=0")
 
@@ -93,6 +96,25 @@ def stage_kernels(_):
         log(f"{shape.name}: GPU {row['gpu_us']:.1f} us, {row['launches']:.1f} launches/call "
             + " | ".join(f"{k} {v:.1f}" for k, v in row["kernels_us"].items()))
     with open(os.path.join(OUT, "kernels.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def stage_gaps(_):
+    import numpy as np
+
+    from jax_mla.bench import profile
+    from jax_mla.bench.decode import Shape, attention_call
+
+    rows = []
+    for spec in GAP_SHAPES:
+        shape = Shape.parse(spec)
+        fn, args = attention_call(shape, np.random.default_rng(0))
+        row = {"shape": shape.name, **profile.chain_gaps(fn, *args)}
+        rows.append(row)
+        log(f"{shape.name}: span {row['span_us']:.1f} us/call; kernels "
+            + ", ".join(f"{k} {v:.1f}" for k, v in row["kernels_us"].items()) + "; gaps "
+            + ", ".join(f"{k} {v:.1f}" for k, v in row["gap_before_us"].items()))
+    with open(os.path.join(OUT, "gaps.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 

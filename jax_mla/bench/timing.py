@@ -100,13 +100,6 @@ def dispatch_time(fn, *args, n: int = 50, reps: int = 3) -> float:
     return min(run() for _ in range(reps))
 
 
-def host_time(fn, *args, reps: int = 50) -> float:
-    """Median wall seconds of one jitted call, dispatch included (latency as a caller sees it)."""
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    return statistics.median(_wall(f, args) for _ in range(reps))
-
-
 # Datasheet roofs of the fastest GPU we know of, for a sanity check of the measured ceilings.
 _MAX_PLAUSIBLE_COPY = 8.5e12
 _MAX_PLAUSIBLE_MATMUL = 2.6e15

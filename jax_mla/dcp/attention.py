@@ -227,10 +227,6 @@ class DcpMetadata:
     interleave: int = 1
     dcp_axis: str = "dcp"
 
-    @property
-    def plan(self):
-        return self.local.plan
-
 
 jax.tree_util.register_dataclass(DcpMetadata, data_fields=["local", "row_lens"],
                                  meta_fields=["qlen", "interleave", "dcp_axis"])
