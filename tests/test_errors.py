@@ -1,5 +1,6 @@
 """Bad input raises early, naming the argument and the rule."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -70,3 +71,35 @@ def test_backend_selection(ok):
         call(q, cache, md, backend="aiter")
     # The XLA reference has no head rule: 130 heads work there.
     assert call(bad, cache, md, backend="xla").shape == (4, 130, 512)
+
+
+def test_a_call_that_does_not_match_the_plan_names_both():
+    """A planned metadata is only read: a different problem is an error, never a silent re-plan."""
+    table, lens = jnp.zeros((2, 2), jnp.int32), jnp.array([3, 4])
+    q, cache = jnp.ones((4, 8, 576), jnp.bfloat16), jnp.ones((4, 4, 576), jnp.bfloat16)
+    md = jax_mla.build_decode_metadata(table, lens, page_size=4, qlen=2, q=q, kv_cache=cache,
+                                       backend="xla")
+    assert md.plan.backend == "xla" and md.plan.problem.num_heads == 8
+    assert call(q, cache, md).shape == (4, 8, 512)
+    with pytest.raises(ValueError, match="num_heads: planned 8, call 16"):
+        call(jnp.ones((4, 16, 576), jnp.bfloat16), cache, md)
+    with pytest.raises(ValueError, match="kv_dtype: planned bfloat16, call float8_e4m3fn"):
+        call(q, cache.astype(jnp.float8_e4m3fn), md, kv_scale=1.0)
+    with pytest.raises(ValueError, match="q_dtype: planned bfloat16, call float32"):
+        call(q.astype(jnp.float32), cache, md)
+    with pytest.raises(ValueError, match="planned for backend='xla'.*backend='triton'"):
+        call(q, cache, md, backend="triton")
+
+
+def test_planning_reads_the_problem_from_example_arrays_or_arguments():
+    table, lens = jnp.zeros((2, 2), jnp.int32), jnp.array([3, 4])
+    q = jax.ShapeDtypeStruct((2, 16, 576), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((4, 4, 576), jnp.float8_e4m3fn)
+    by_example = jax_mla.build_decode_metadata(table, lens, q=q, kv_cache=kv, backend="xla")
+    by_args = jax_mla.build_decode_metadata(table, lens, page_size=4, num_heads=16,
+                                            kv_dtype=jnp.float8_e4m3fn, backend="xla")
+    assert by_example.plan == by_args.plan  # static and hashable: part of the jit cache key
+    assert hash(by_example.plan) == hash(by_args.plan)
+    assert jax_mla.build_decode_metadata(table, lens, page_size=4).plan is None
+    with pytest.raises(ValueError, match="page_size is required"):
+        jax_mla.build_decode_metadata(table, lens, num_heads=16)
