@@ -20,6 +20,7 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
 - ``JAX_MLA_TRITON_AFFINE_REDUCE=0``: this package's plans merged by the general reduce.
 - ``JAX_MLA_TRITON_REDUCE_BLOCK_S`` / ``_BLOCK_L``: the reduce's chunk and column block.
 - ``JAX_MLA_SPLIT_PLAN``: the split schedule, ``auto`` (default), ``line`` or ``even``.
+- ``JAX_MLA_TRITON_PLANNER``: how it is computed, ``auto`` (default), ``kernel`` or ``jnp``.
 - ``JAX_MLA_AITER_SMALL_HEAD_MODE``: AITER below 16 heads, ``auto`` (default), ``gluon``, ``asm``.
 - ``JAX_MLA_POISON_OUTPUTS=1``: interpreted (CPU) kernels see their outputs filled with NaN / -1
   before they run (tests; read at run time, not planning).
@@ -38,7 +39,8 @@ ENV_VARS = (
     "JAX_MLA_TRITON_CTAS_PER_SM", "JAX_MLA_TRITON_MAX_ROWS", "JAX_MLA_TRITON_MIN_BLOCK_M",
     "JAX_MLA_TRITON_WG_SPLIT", "JAX_MLA_TRITON_SM90_KERNEL", "JAX_MLA_TRITON_L2_HINTS",
     "JAX_MLA_TRITON_AFFINE_REDUCE", "JAX_MLA_TRITON_REDUCE_BLOCK_S",
-    "JAX_MLA_TRITON_REDUCE_BLOCK_L", "JAX_MLA_SPLIT_PLAN", "JAX_MLA_AITER_SMALL_HEAD_MODE",
+    "JAX_MLA_TRITON_REDUCE_BLOCK_L", "JAX_MLA_SPLIT_PLAN", "JAX_MLA_TRITON_PLANNER",
+    "JAX_MLA_AITER_SMALL_HEAD_MODE",
     "JAX_MLA_POISON_OUTPUTS", "TRITON_INTERPRET",
 )
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jax_mla.backends import get_backend, require_available, resolve_backend
 from jax_mla.cache import is_fp8
-from jax_mla.paged import DecodeMetadata, paged_views
+from jax_mla.paged import DecodeMetadata, check_inputs, paged_views
 from jax_mla.problem import DecodeProblem, as_target, dtype_name
 
 __all__ = ["DecodeMetadata", "build_decode_metadata", "plan_decode"]
@@ -90,16 +90,20 @@ def build_decode_metadata(
         page_size = kv_cache.shape[1] if page_size is None else page_size
     if page_size is None:
         raise ValueError("page_size is required (or pass kv_cache= to read it from)")
-    md = paged_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
-                     flat_capacity=flat_capacity)
     if num_heads is None:
-        return md
+        return paged_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
+                           flat_capacity=flat_capacity)
+    block_table, seq_lens = jnp.asarray(block_table), jnp.asarray(seq_lens)
+    check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity)
     q_dtype = jnp.dtype(jnp.bfloat16 if q_dtype is None else q_dtype)
     kv_dtype = q_dtype if kv_dtype is None else jnp.dtype(kv_dtype)
     problem = DecodeProblem(
-        num_seqs=md.num_seqs, qlen=md.qlen, num_heads=int(num_heads), page_size=md.page_size,
-        max_pages=md.max_pages, kv_lora_rank=int(kv_lora_rank), rope_dim=int(rope_dim),
-        q_dtype=dtype_name(q_dtype), kv_dtype=dtype_name(kv_dtype), target=as_target(target),
-        has_kv_scale=is_fp8(kv_dtype), return_lse=bool(return_lse))
+        num_seqs=block_table.shape[0], qlen=int(qlen), num_heads=int(num_heads),
+        page_size=int(page_size), max_pages=block_table.shape[1],
+        kv_lora_rank=int(kv_lora_rank), rope_dim=int(rope_dim), q_dtype=dtype_name(q_dtype),
+        kv_dtype=dtype_name(kv_dtype), target=as_target(target), has_kv_scale=is_fp8(kv_dtype),
+        return_lse=bool(return_lse))
     impl, plan = plan_decode(problem, backend, tuning=tuning, options=options)
+    md = paged_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
+                     flat_capacity=flat_capacity, views=impl.views)
     return md.replace(plan=plan, schedule=impl.schedule(plan, md))

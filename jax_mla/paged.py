@@ -43,6 +43,11 @@ class DecodeMetadata:
       paged_kv_indptr: ``[B + 1]`` int32 cumsum of ``seq_lens`` (AITER's token indptr).
       paged_kv_indices: ``[flat_capacity]`` int32 flat slot of every KV token, packed; tail -1.
       paged_kv_last_page_len: ``[B]`` int32 ones (page size 1 in the flat view).
+
+      The page-level view (``page_indptr``, ``page_indices``, ``last_page_len``) and the flat
+      view (``paged_kv_indices``, ``paged_kv_last_page_len``) are built only where asked
+      (:data:`VIEWS`): metadata planned for a backend carries the views that backend reads, and
+      None for the others (the flat view alone is ``B * max_pages * page_size`` entries).
       schedule: the plan's arrays (a backend-specific pytree, e.g. the split schedule), or
         None when the plan needs none or the metadata has no plan.
       qlen: static ``Q``.
@@ -55,12 +60,12 @@ class DecodeMetadata:
     block_table: jax.Array
     seq_lens: jax.Array
     qo_indptr: jax.Array
-    page_indptr: jax.Array
-    page_indices: jax.Array
-    last_page_len: jax.Array
+    page_indptr: jax.Array | None
+    page_indices: jax.Array | None
+    last_page_len: jax.Array | None
     paged_kv_indptr: jax.Array
-    paged_kv_indices: jax.Array
-    paged_kv_last_page_len: jax.Array
+    paged_kv_indices: jax.Array | None
+    paged_kv_last_page_len: jax.Array | None
     schedule: Any = None
     qlen: int = 1
     page_size: int = 1
@@ -85,6 +90,8 @@ class DecodeMetadata:
 
     @property
     def flat_capacity(self) -> int:
+        if self.paged_kv_indices is None:
+            raise ValueError("this metadata has no flat per-token view (its plan reads none)")
         return self.paged_kv_indices.shape[0]
 
     def replace(self, **kw) -> DecodeMetadata:
@@ -154,50 +161,52 @@ def check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity):
             raise ValueError(f"sum(seq_lens)={s.sum()} exceeds flat_capacity={flat_capacity}")
 
 
+#: The optional views: ``"pages"`` (FlashInfer's page-level view), ``"flat"`` (AITER's
+#: per-token view).
+VIEWS = ("pages", "flat")
+
+
 def paged_views(block_table, seq_lens, *, page_size: int, qlen: int = 1,
-                flat_capacity: int | None = None) -> DecodeMetadata:
+                flat_capacity: int | None = None, views=VIEWS) -> DecodeMetadata:
     """:class:`DecodeMetadata` without a plan: the checked, canonical paged-KV views.
 
-    Arguments as :func:`jax_mla.build_decode_metadata`. Jittable (every argument but the arrays
-    is static). Lengths outside ``[0, max_pages * page_size]`` raise here when they are
-    concrete; under tracing they are clamped.
+    Arguments as :func:`jax_mla.build_decode_metadata`; ``views``: which optional views to build
+    (:data:`VIEWS`; the block table, lengths, ``qo_indptr`` and ``paged_kv_indptr`` always are).
+    Jittable (every argument but the arrays is static). Lengths outside ``[0, max_pages *
+    page_size]`` raise here when they are concrete; under tracing they are clamped.
     """
     block_table = jnp.asarray(block_table)
     seq_lens = jnp.asarray(seq_lens)
     check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity)
+    views = tuple(v for v in VIEWS if v in tuple(views))
     if flat_capacity is None:
         flat_capacity = block_table.shape[0] * block_table.shape[1] * page_size
     return _build(block_table, seq_lens, page_size=int(page_size), qlen=int(qlen),
-                  flat_capacity=int(flat_capacity))
+                  flat_capacity=int(flat_capacity), views=views)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "qlen", "flat_capacity"))
-def _build(block_table, seq_lens, *, page_size, qlen, flat_capacity):
+@functools.partial(jax.jit, static_argnames=("page_size", "qlen", "flat_capacity", "views"))
+def _build(block_table, seq_lens, *, page_size, qlen, flat_capacity, views):
     b, max_pages = block_table.shape
     block_table = block_table.astype(jnp.int32)
     seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * page_size)
     zero = jnp.zeros((1,), jnp.int32)
-
-    num_pages = -(-seq_lens // page_size)
-    page_indptr = jnp.concatenate([zero, jnp.cumsum(num_pages, dtype=jnp.int32)])
-    r, off, valid = expand_indptr(page_indptr, b * max_pages)
-    page_indices = jnp.where(valid, block_table[r, jnp.clip(off, 0, max_pages - 1)], -1)
-    last_page_len = jnp.where(seq_lens > 0, seq_lens - (num_pages - 1) * page_size, 0)
-
     kv_indptr = jnp.concatenate([zero, jnp.cumsum(seq_lens, dtype=jnp.int32)])
-    r, off, valid = expand_indptr(kv_indptr, flat_capacity)
-    kv_indices = jnp.where(valid, flat_slot_ids(block_table, off, page_size, rows=r), -1)
-
-    return DecodeMetadata(
-        block_table=block_table,
-        seq_lens=seq_lens,
-        qo_indptr=uniform_qo_indptr(b, qlen),
-        page_indptr=page_indptr,
-        page_indices=page_indices,
-        last_page_len=last_page_len.astype(jnp.int32),
-        paged_kv_indptr=kv_indptr,
-        paged_kv_indices=kv_indices.astype(jnp.int32),
-        paged_kv_last_page_len=jnp.ones((b,), jnp.int32),
-        qlen=qlen,
-        page_size=page_size,
-    )
+    md = DecodeMetadata(
+        block_table=block_table, seq_lens=seq_lens, qo_indptr=uniform_qo_indptr(b, qlen),
+        page_indptr=None, page_indices=None, last_page_len=None, paged_kv_indptr=kv_indptr,
+        paged_kv_indices=None, paged_kv_last_page_len=None, qlen=qlen, page_size=page_size)
+    if "pages" in views:
+        num_pages = -(-seq_lens // page_size)
+        page_indptr = jnp.concatenate([zero, jnp.cumsum(num_pages, dtype=jnp.int32)])
+        r, off, valid = expand_indptr(page_indptr, b * max_pages)
+        page_indices = jnp.where(valid, block_table[r, jnp.clip(off, 0, max_pages - 1)], -1)
+        last_page_len = jnp.where(seq_lens > 0, seq_lens - (num_pages - 1) * page_size, 0)
+        md = md.replace(page_indptr=page_indptr, page_indices=page_indices,
+                        last_page_len=last_page_len.astype(jnp.int32))
+    if "flat" in views:
+        r, off, valid = expand_indptr(kv_indptr, flat_capacity)
+        kv_indices = jnp.where(valid, flat_slot_ids(block_table, off, page_size, rows=r), -1)
+        md = md.replace(paged_kv_indices=kv_indices.astype(jnp.int32),
+                        paged_kv_last_page_len=jnp.ones((b,), jnp.int32))
+    return md

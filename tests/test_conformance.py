@@ -248,3 +248,28 @@ def test_triton_64_row_tiles_long_ragged_bf16(rng, monkeypatch, num_heads, qlen,
         assert np.diff(np.asarray(sched.work_indptr)).max() >= 2  # programs with 2+ works
     out, lse, wo, wl = run(case, "triton", jnp.bfloat16)
     check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
+@pytest.mark.parametrize("planner", ["kernel", "jnp"])
+def test_triton_metadata_planned_once_by_either_planner(rng, planner):
+    """The step's metadata planned ahead (the split schedule computed by the one-program Triton
+    planner or by XLA ops), reused by two calls; only the views the Triton kernels read."""
+    case = make_case(rng, seq_lens=[300, 0, 2, 57, 161], qlen=2, num_heads=12, page_size=16,
+                     kv_lora_rank=64, rope_dim=32)
+    q = jnp.asarray(case.q)
+    cache = jnp.asarray(case.cache)
+    md = jax_mla.build_decode_metadata(
+        case.block_table, case.seq_lens, page_size=16, qlen=2, q=q, kv_cache=cache,
+        kv_lora_rank=64, backend="triton", tuning=jax_mla.TritonTuning(planner=planner))
+    assert md.plan.planner == planner
+    assert md.paged_kv_indices is None and md.page_indices is None  # views nobody reads
+    want_out, want_lse = oracle.mla_decode(np.asarray(case.q, np.float64),
+                                           np.asarray(case.cache, np.float64),
+                                           case.block_table, case.seq_lens, qlen=2,
+                                           page_size=16, scale=case.scale, kv_lora_rank=64)
+    step = jax.jit(lambda q, c, m: jax_mla.mla_attention(q, c, m, scale=case.scale,
+                                                         return_lse=True, kv_lora_rank=64))
+    for _ in range(2):
+        out, lse = step(q, cache, md)
+        check(out, lse, want_out, want_lse, TOL[jnp.float32], jnp.float32)

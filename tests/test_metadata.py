@@ -93,3 +93,18 @@ def test_flat_capacity_and_errors():
         jax_mla.build_decode_metadata(table, jnp.array([1, 1, 1]), page_size=2)
     with pytest.raises(ValueError, match="qlen"):
         jax_mla.build_decode_metadata(table, jnp.array([1, 1]), page_size=2, qlen=0)
+
+
+def test_planned_metadata_builds_only_the_views_its_backend_reads():
+    table, lens = jnp.arange(12, dtype=jnp.int32).reshape(3, 4), jnp.array([5, 17, 0])
+    full = jax_mla.build_decode_metadata(table, lens, page_size=8)
+    assert full.plan is None and full.paged_kv_indices is not None
+    assert full.page_indices is not None and full.flat_capacity == 3 * 4 * 8
+    xla = jax_mla.build_decode_metadata(table, lens, page_size=8, num_heads=4, backend="xla")
+    for name in ("page_indptr", "page_indices", "last_page_len", "paged_kv_indices",
+                 "paged_kv_last_page_len"):
+        assert getattr(xla, name) is None, name
+    for name in ("block_table", "seq_lens", "qo_indptr", "paged_kv_indptr"):
+        np.testing.assert_array_equal(getattr(xla, name), getattr(full, name))
+    with pytest.raises(ValueError, match="no flat per-token view"):
+        _ = xla.flat_capacity

@@ -10,9 +10,12 @@ from jax_mla.backends.triton.schedule import (
     EVEN_SLACK_BLOCKS,
     NO_SPLIT_SLACK,
     OVERHEAD_BLOCKS,
+    PLAN_MODES,
     SplitSchedule,
     plan_splits,
 )
+
+from conftest import has_triton_cuda_backend, run_compiler_script
 
 
 def _plan(lens, *, qlen=1, block_n=16, programs=8, mode="auto"):
@@ -388,3 +391,58 @@ def test_reduce_column_block_keeps_the_tile_size(block_s, want, monkeypatch):
     assert reduce_block_l(block_s, 512, gpu=False) == 128
     monkeypatch.setenv("JAX_MLA_TRITON_REDUCE_BLOCK_L", "16")
     assert reduce_block_l(block_s, 512, gpu=True) == 16
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 400), min_size=1, max_size=20), st.sampled_from([1, 2, 3]),
+       st.sampled_from([16, 32, 128]), st.integers(1, 40), st.sampled_from(PLAN_MODES),
+       st.tuples(*[st.sampled_from([2, 4, 16])] * 3))
+@example([0, 0, 33], 1, 16, 3, "auto", (2, 2, 2))
+@example([4096] * 17, 1, 32, 16, "auto", (4, 4, 4))  # even pieces over more requests
+def test_the_planning_kernel_is_the_jnp_plan_bit_for_bit(lens, qlen, block_n, programs, mode,
+                                                        chunks):
+    """``plan_splits_kernel`` (one Triton program, run here by the interpreter) returns exactly
+    :func:`plan_splits`'s arrays, whatever the chunking of requests, programs and works."""
+    from jax_mla.backends.triton.launch import triton_importable
+    from jax_mla.backends.triton.schedule import plan_splits_kernel
+    from jax_mla.problem import current_platform
+
+    if not triton_importable(current_platform()):
+        pytest.skip("triton cannot run here")
+    lens = np.asarray(lens, np.int32)
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    kw = dict(qlen=qlen, block_n=block_n, num_programs=programs, mode=mode)
+    want = plan_splits(lens, indptr, **kw)
+    got = plan_splits_kernel(lens, indptr, platform=current_platform(), chunks=chunks, **kw)
+    for name in ("work_indptr", "work_info_set", "num_works", "reduce_indptr",
+                 "reduce_final_map", "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                      np.asarray(getattr(want, name)), err_msg=name)
+    assert (got.block_n, got.qlen, got.num_programs) == (want.block_n, want.qlen,
+                                                        want.num_programs)
+
+
+PLAN_COMPILE = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from jax_mla.kernels.triton import plan as pk
+names = ["seq_lens_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_info_ptr", "num_works_ptr",
+         "reduce_indptr_ptr", "final_map_ptr", "partial_map_ptr", "tiles_ptr", "tile_ptr_ptr",
+         "scratch_ptr"]
+consts = dict(B=128, P=264, NT=128, QLEN=1, BLOCK_N=32, MODE=0, OVERHEAD=1, SLACK_NUM=1,
+              SLACK_DEN=16, EVEN_SLACK=1, GRID=128, CB=128, CP=128, CW=128)
+sig = dict.fromkeys(names, "*i32") | dict.fromkeys(consts, "constexpr")
+src = ASTSource(fn=pk.mla_plan_kernel, signature=sig, constexprs=consts,
+                attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
+cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8,
+                                                                         num_stages=1))
+print(json.dumps(dict(shared=cc.metadata.shared, n_ptx=len(cc.asm["ptx"]))))
+"""
+
+
+@pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
+def test_the_planning_kernel_compiles_for_sm90():
+    r = run_compiler_script(PLAN_COMPILE, timeout=600)
+    assert r["n_ptx"] > 0 and r["shared"] <= 227 * 1024, r

@@ -55,6 +55,8 @@ class Backend:
     name: str = "xla"
     #: platforms the backend can ever run on (None: all)
     platforms: tuple[str, ...] | None = None
+    #: the optional metadata views its kernels read (``jax_mla.paged.VIEWS``)
+    views: tuple[str, ...] = ()
 
     # -- where it runs ---------------------------------------------------------------------
 

@@ -303,7 +303,8 @@ def _build_dcp(block_tables, seq_lens, *, mesh, plan, qlen, interleave, dcp_axis
         md, row_lens = dcp_local_metadata(bt_loc[0], lens, qlen=qlen,
                                           page_size=plan.problem.page_size, world_size=n,
                                           rank=jax.lax.axis_index(dcp_axis),
-                                          interleave=interleave, flat_capacity=flat_capacity)
+                                          interleave=interleave, flat_capacity=flat_capacity,
+                                          views=impl.views)
         md = md.replace(plan=plan, schedule=impl.schedule(plan, md))
         return jax.tree.map(lambda x: x[None], md), row_lens[None]
 

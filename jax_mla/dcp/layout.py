@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.paged import DecodeMetadata, flat_slot_ids, paged_views
+from jax_mla.paged import VIEWS, DecodeMetadata, flat_slot_ids, paged_views
 
 
 def check_layout(world_size, interleave, page_size=None):
@@ -155,8 +155,8 @@ def dcp_max_local_pages(max_pages: int, page_size: int, world_size: int,
 
 
 def dcp_local_metadata(block_table, seq_lens, *, qlen: int, page_size: int, world_size: int,
-                       rank, interleave: int = 1,
-                       flat_capacity: int | None = None) -> tuple[DecodeMetadata, jax.Array]:
+                       rank, interleave: int = 1, flat_capacity: int | None = None,
+                       views=VIEWS) -> tuple[DecodeMetadata, jax.Array]:
     """Metadata for one rank's local attention: every query row as its own ``qlen=1`` request.
 
     A row's visible local set is a local prefix of length ``dcp_verify_row_lens`` (global causal
@@ -169,6 +169,7 @@ def dcp_local_metadata(block_table, seq_lens, *, qlen: int, page_size: int, worl
       qlen: ``Q`` (static). page_size: the local cache's page size (static).
       world_size, rank, interleave: as in :func:`dcp_local_seq_lens`.
       flat_capacity: as in :func:`jax_mla.build_decode_metadata` (rows are its requests).
+      views: the optional views to build (``jax_mla.paged.VIEWS``).
     Returns:
       ``(metadata, row_lens)``: :class:`jax_mla.DecodeMetadata` without a plan over ``T = B * Q``
       requests with ``qlen = 1``, and ``row_lens [T]`` int32 (0 = this rank holds nothing of
@@ -178,7 +179,8 @@ def dcp_local_metadata(block_table, seq_lens, *, qlen: int, page_size: int, worl
     block_table = jnp.asarray(block_table)
     row_lens = dcp_verify_row_lens(seq_lens, qlen, world_size, rank, interleave)
     rows = jnp.repeat(block_table, qlen, axis=0) if qlen > 1 else block_table
-    md = paged_views(rows, row_lens, page_size=page_size, qlen=1, flat_capacity=flat_capacity)
+    md = paged_views(rows, row_lens, page_size=page_size, qlen=1, flat_capacity=flat_capacity,
+                     views=views)
     return md, row_lens
 
 

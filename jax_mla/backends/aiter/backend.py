@@ -21,7 +21,7 @@ from jax_mla import heads as _heads
 from jax_mla.backends.aiter import bridge
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.plan import AiterPlan, make_plan
-from jax_mla.backends.aiter.schedule import build_schedule
+from jax_mla.backends.aiter.schedule import VIEWS, build_schedule
 from jax_mla.backends.base import Backend
 from jax_mla.cache import is_fp8
 from jax_mla.problem import Target
@@ -60,6 +60,7 @@ class AiterBackend(Backend):
 
     name = "aiter"
     platforms = ("rocm",)
+    views = VIEWS
 
     def unavailable_reason(self, target: Target) -> str | None:
         if not bridge.aiter_importable():

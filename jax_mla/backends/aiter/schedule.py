@@ -146,6 +146,9 @@ def build_dcp_verify_view(block_table, dcp_tot_seq_lens, *, qlen: int, kernel_bl
 # The builder
 
 
+VIEWS = ("flat",)  # AITER's kernels read the per-token view (page size 1)
+
+
 def _default_q_dtype(kv_dtype):
     # vLLM's _mla_q_dtype: decode q is quantised to fp8 whenever the cache is fp8.
     return kv_dtype if caps.dtype_name(kv_dtype) == "fp8" else jnp.bfloat16
@@ -255,7 +258,7 @@ def build_aiter_decode_metadata(block_table, seq_lens, *, page_size: int, num_he
             # window over (null) block-table entries, so no kernel row is ill-defined.
             seq_lens = jnp.where(live, seq_lens, qlen).astype(seq_lens.dtype)
     md = paged_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
-                     flat_capacity=flat_capacity)
+                     flat_capacity=flat_capacity, views=VIEWS)
     q_dtype = _default_q_dtype(kv_dtype) if q_dtype is None else q_dtype
     problem = aiter_problem(md, num_heads=num_heads, q_dtype=q_dtype, kv_dtype=kv_dtype,
                             target=target)

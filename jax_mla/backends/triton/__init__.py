@@ -20,7 +20,7 @@ from jax_mla.backends.triton import decode as _decode
 from jax_mla.backends.triton import launch
 from jax_mla.backends.triton.plan import TritonPlan, TritonTuning, make_plan
 from jax_mla.backends.triton.prefill import PrefillTritonConfig, prefill_triton
-from jax_mla.backends.triton.schedule import plan_splits
+from jax_mla.backends.triton.schedule import plan_splits, plan_splits_kernel
 from jax_mla.problem import Target
 
 __all__ = ["PrefillTritonConfig", "TritonBackend", "TritonPlan", "TritonTuning"]
@@ -44,10 +44,15 @@ class TritonBackend(Backend):
         return make_plan(self.name, problem, tuning)
 
     def schedule(self, plan: TritonPlan, metadata):
-        """The split schedule (``schedule.SplitSchedule``) the plan's kernels walk."""
-        return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, qlen=metadata.qlen,
-                           block_n=plan.kernel.block_n, num_programs=plan.num_programs,
-                           num_head_blocks=plan.kernel.num_head_blocks, mode=plan.split_mode)
+        """The split schedule (``schedule.SplitSchedule``) the plan's kernels walk: one Triton
+        program (``plan.planner == "kernel"``) or XLA ops, the same arrays either way."""
+        kw = dict(qlen=metadata.qlen, block_n=plan.kernel.block_n,
+                  num_programs=plan.num_programs, num_head_blocks=plan.kernel.num_head_blocks,
+                  mode=plan.split_mode)
+        if plan.planner == "kernel":
+            return plan_splits_kernel(metadata.seq_lens, metadata.paged_kv_indptr,
+                                      platform=plan.problem.target.platform, **kw)
+        return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, **kw)
 
     def decode(self, q, kv_cache, metadata, *, plan, scale, q_scale, kv_scale, return_lse):
         # The kernel masks partial head blocks itself: no padding (plan.padded_heads == H).

@@ -37,6 +37,7 @@ from jax_mla.problem import DecodeProblem, Target, as_target
 
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64
+PLANNERS = ("auto", "kernel", "jnp")
 # Tiles by MMA rows, and how many programs of that tile one multiprocessor holds at once
 # (registers and shared memory from ptxas for sm_90a).
 GPU_TILES = {
@@ -64,7 +65,10 @@ class TritonTuning:
     tile's score columns between warpgroups (CUDA); ``sm90_kernel``: the Gluon kernel for
     64-row tiles on Hopper; ``l2_hints``: keep split partials in L2; ``affine_reduce``: the
     two-load reduce for this package's plans; ``reduce_block_s`` / ``reduce_block_l``: the
-    reduce's chunk and column block; ``split_plan``: ``auto``, ``line`` or ``even``.
+    reduce's chunk and column block; ``split_plan``: ``auto``, ``line`` or ``even``;
+    ``planner``: how the split schedule is computed, ``kernel`` (one Triton program,
+    ``kernels/triton/plan.py``), ``jnp`` (XLA ops) or ``auto`` (the kernel on GPUs, jnp on CPU,
+    where the interpreter would only be slower); both give the same arrays.
     """
 
     block_n: int | None = None
@@ -80,10 +84,13 @@ class TritonTuning:
     reduce_block_s: int | None = None
     reduce_block_l: int | None = None
     split_plan: str = "auto"
+    planner: str = "auto"
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
             raise ValueError(f"split_plan={self.split_plan!r} must be one of {PLAN_MODES}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner={self.planner!r} must be one of {PLANNERS}")
 
     @classmethod
     def from_env(cls) -> TritonTuning:
@@ -102,6 +109,7 @@ class TritonTuning:
             reduce_block_s=env.read_int("JAX_MLA_TRITON_REDUCE_BLOCK_S"),
             reduce_block_l=env.read_int("JAX_MLA_TRITON_REDUCE_BLOCK_L"),
             split_plan=split_plan_mode(),
+            planner=env.read_choice("JAX_MLA_TRITON_PLANNER", PLANNERS, "auto"),
         )
 
     @property
@@ -149,6 +157,7 @@ class TritonPlan(DecodePlan):
       kernel: the decode launch configuration.
       num_programs: persistent programs per head block.
       split_mode: the split schedule's mode (``auto``, ``line`` or ``even``).
+      planner: ``kernel`` or ``jnp``: how the split schedule is computed.
       reduce: the reduce's kernel and tile.
       tuning: the overrides the plan was made with.
     """
@@ -156,6 +165,7 @@ class TritonPlan(DecodePlan):
     kernel: KernelConfig = None
     num_programs: int = 1
     split_mode: str = "auto"
+    planner: str = "jnp"
     reduce: ReduceConfig = None
     tuning: TritonTuning = None
 
@@ -286,8 +296,10 @@ def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = N
     sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale)
     cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning)
     programs = num_programs(cfg, target)
+    planner = tuning.planner if tuning.planner != "auto" else (
+        "kernel" if target.gpu else "jnp")
     return TritonPlan(
         backend=name, problem=problem, padded_heads=p.num_heads, kernel=cfg,
-        num_programs=programs, split_mode=tuning.split_plan,
+        num_programs=programs, split_mode=tuning.split_plan, planner=planner,
         reduce=reduce_config(programs, p.num_seqs, p.kv_lora_rank, target, tuning),
         tuning=tuning)

@@ -44,6 +44,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_mla.backends.triton.launch import triton_call
 from jax_mla.paged import expand_indptr
 
 OVERHEAD_BLOCKS = 1  # fixed cost of a work (query load, output write), in KV blocks
@@ -258,3 +259,40 @@ def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_bl
         num_head_blocks=num_head_blocks,
         qlen=qlen,
     )
+
+
+_MODE_IDS = {"auto": 0, "line": 1, "even": 2}
+
+
+def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_blocks=1,
+                       mode="auto", platform="cuda", chunks=(128, 128, 128)) -> SplitSchedule:
+    """:func:`plan_splits` as one Triton program (``kernels/triton/plan.py``): the same arrays,
+    bit for bit, in a single launch instead of XLA's chain of small kernels.
+
+    ``chunks``: requests, programs and works a program handles at once (powers of two); ``platform``
+    as ``launch.triton_call``. Jittable; nothing is read back to the host.
+    """
+    from jax_mla.kernels.triton import plan as plan_kernel  # imports triton: at trace time
+
+    if mode not in PLAN_MODES:
+        raise ValueError(f"plan_splits_kernel: mode must be one of {PLAN_MODES}, got {mode!r}")
+    b, p = seq_lens.shape[0], num_programs
+    cap, nt = p + b, max(1, min(b, p - 1))
+    i32 = jnp.int32
+    shapes = [((p + 1,), i32), ((cap, 8), i32), ((1,), i32), ((b + 1,), i32), ((b, 2), i32),
+              ((cap,), i32), ((nt,), i32), ((nt, 2), i32),
+              ((plan_kernel.scratch_size(b, p),), i32)]
+    cb, cp, cw = chunks
+    outs = triton_call(
+        plan_kernel.mla_plan_kernel, seq_lens.astype(i32), kv_indptr.astype(i32),
+        grid=(1,), out_shapes=[jax.ShapeDtypeStruct(s, d) for s, d in shapes],
+        platform=platform, num_warps=8, num_stages=1,
+        B=b, P=p, NT=nt, QLEN=qlen, BLOCK_N=block_n, MODE=_MODE_IDS[mode],
+        OVERHEAD=OVERHEAD_BLOCKS, SLACK_NUM=NO_SPLIT_SLACK[0], SLACK_DEN=NO_SPLIT_SLACK[1],
+        EVEN_SLACK=EVEN_SLACK_BLOCKS, GRID=_GRID, CB=cb, CP=cp, CW=cw)
+    work_indptr, info, num_works, reduce_indptr, final_map, partial_map, tiles, tile_ptr, _ = outs
+    return SplitSchedule(
+        work_indptr=work_indptr, work_info_set=info, num_works=num_works,
+        reduce_indptr=reduce_indptr, reduce_final_map=final_map,
+        reduce_partial_map=partial_map, reduce_tiles=tiles, reduce_tile_ptr=tile_ptr,
+        block_n=block_n, num_head_blocks=num_head_blocks, qlen=qlen)
