@@ -21,6 +21,10 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
 - ``JAX_MLA_TRITON_REDUCE_BLOCK_S`` / ``_BLOCK_L``: the reduce's chunk and column block.
 - ``JAX_MLA_SPLIT_PLAN``: the split schedule, ``auto`` (default), ``line`` or ``even``.
 - ``JAX_MLA_TRITON_PLANNER``: how it is computed, ``auto`` (default), ``kernel`` or ``jnp``.
+- ``JAX_MLA_TRITON_LAUNCHER``: how Triton kernels reach XLA on GPUs, ``auto`` (default), ``ffi``
+  or ``jax_triton``.
+- ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
+- ``JAX_MLA_CACHE_DIR``: where compiled kernels are kept (default ``~/.cache/jax_mla``).
 - ``JAX_MLA_AITER_SMALL_HEAD_MODE``: AITER below 16 heads, ``auto`` (default), ``gluon``, ``asm``.
 - ``JAX_MLA_POISON_OUTPUTS=1``: interpreted (CPU) kernels see their outputs filled with NaN / -1
   before they run (tests; read at run time, not planning).
@@ -40,6 +44,7 @@ ENV_VARS = (
     "JAX_MLA_TRITON_WG_SPLIT", "JAX_MLA_TRITON_SM90_KERNEL", "JAX_MLA_TRITON_L2_HINTS",
     "JAX_MLA_TRITON_AFFINE_REDUCE", "JAX_MLA_TRITON_REDUCE_BLOCK_S",
     "JAX_MLA_TRITON_REDUCE_BLOCK_L", "JAX_MLA_SPLIT_PLAN", "JAX_MLA_TRITON_PLANNER",
+    "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_FFI_LIBRARY", "JAX_MLA_CACHE_DIR",
     "JAX_MLA_AITER_SMALL_HEAD_MODE",
     "JAX_MLA_POISON_OUTPUTS", "TRITON_INTERPRET",
 )
@@ -90,3 +95,13 @@ def interpreter_enabled() -> bool:
 def choose_interpreter() -> None:
     """On a CPU host, ask Triton for its interpreter (only effective before triton's import)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def ffi_library() -> str | None:
+    """``JAX_MLA_FFI_LIBRARY``: an explicit path of the FFI launcher library."""
+    return _get("JAX_MLA_FFI_LIBRARY")
+
+
+def cache_dir() -> str | None:
+    """``JAX_MLA_CACHE_DIR``: the root of jax_mla's on-disk caches."""
+    return _get("JAX_MLA_CACHE_DIR")

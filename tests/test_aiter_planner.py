@@ -372,7 +372,7 @@ def test_plan_drives_the_triton_reduce_kernel(rng, case):
                                   qlen=plan.tile_size)
     config = general_reduce_config(512, detect_target(platform))
     out_t, lse_t = jax.jit(lambda p, p_lse, f, f_lse: reduce_partials(
-        p, p_lse, sched, f, f_lse, config=config, platform=platform))(part, part_lse, final,
+        p, p_lse, sched, f, f_lse, config=config, target=platform))(part, part_lse, final,
                                                                       final_lse)
     out_t = pl.unfold_rows(out_t, qlen, plan.fold_ratio)
     lse_t = pl.unfold_rows(lse_t, qlen, plan.fold_ratio)

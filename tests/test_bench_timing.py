@@ -106,6 +106,8 @@ def test_ab_times_each_variant_under_its_own_plan(tmp_path, monkeypatch):
     assert ab.parse_variant("base") == ("base", TritonTuning())
     assert ab.parse_variant("x:affine_reduce=0,block_n=32,split_plan=line") == (
         "x", TritonTuning(affine_reduce=False, block_n=32, split_plan="line"))
+    assert ab.parse_variant("y:launcher=ffi,planner=kernel") == (
+        "y", TritonTuning(launcher="ffi", planner="kernel"))
     with pytest.raises(ValueError, match="not a TritonTuning field"):
         ab.parse_variant("x:warps=4")
 

@@ -5,10 +5,11 @@ explicit lists. These tests read it without Bazel (Starlark's call-and-list subs
 Python syntax, evaluated here by a tiny interpreter over ``ast``; nothing is executed) and
 check that:
 
-* every file a target names exists, and ends in ``.py``;
+* every file a target names exists, and ends in ``.py`` (``.cc`` / ``.h`` for ``cc_binary``);
 * every module under ``jax_mla/`` is in a ``py_library``, every ``tests/test_*.py`` is a
-  ``py_test``, and every other ``.py`` file under ``tests/`` and ``benchmarks/`` is named
-  by some target;
+  ``py_test``, every other ``.py`` file under ``tests/`` and ``benchmarks/`` is named
+  by some target, and every C++ file under ``ffi/`` is in a ``cc_binary`` that the package
+  carries as data;
 * every ``py_test``'s main source is a ``tests/test_*.py`` file;
 * every dependency label points at a target defined in ``BUILD``.
 
@@ -27,7 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "BUILD"
 
-RULES = ("py_library", "py_binary", "py_test")
+RULES = ("py_library", "py_binary", "py_test", "cc_binary")
+CC_SUFFIXES = (".cc", ".h")
 ALLOWED_CALLS = RULES + ("package",)
 LIB_DEPS = '[":jax_mla"]'
 TEST_DEPS = '[":jax_mla", ":test_support"]'
@@ -197,16 +199,22 @@ def test_target_names_are_unique(targets):
 
 def test_named_files_exist(targets):
     problems = []
+    names = {t.name for t in targets}
     for t in targets:
         for attr in ("srcs", "data"):
             files = t.files(attr)
             for path in files:
+                if attr == "data" and path in names:
+                    continue  # a target's output (the FFI library), not a source file
                 if not (ROOT / path).is_file():
                     problems.append(
                         f'{t.where} names "{path}" in {attr}, which does not exist.\n'
                         f'Remove the line\n    "{path}",\nfrom its {attr} (or the whole '
                         f"target if that was its only file)."
                     )
+                elif attr == "srcs" and t.kind == "cc_binary":
+                    if not path.endswith(CC_SUFFIXES):
+                        problems.append(f'{t.where}: srcs entry "{path}" is not a C++ file')
                 elif attr == "srcs" and not path.endswith(".py"):
                     problems.append(f'{t.where}: srcs entry "{path}" is not a .py file')
             for path in sorted({p for p in files if files.count(p) > 1}):
@@ -246,6 +254,22 @@ def test_every_module_is_covered(targets):
                 f"{path} is not named by any BUILD target. Add to BUILD (with the other "
                 f"benchmarks):\n\n{_binary_block(path)}"
             )
+    _report(problems)
+
+
+def test_every_ffi_source_is_built_and_carried(targets):
+    """The FFI launcher's sources are one shared library's, which the package lists as data."""
+    in_cc = {p: t for t in targets if t.kind == "cc_binary" for p in t.files("srcs")}
+    sources = sorted(_rel(p) for p in (ROOT / "ffi").rglob("*") if p.suffix in CC_SUFFIXES)
+    problems = [f"{path} is not in any cc_binary's srcs; add it to the srcs of the FFI "
+                f"library's cc_binary" for path in sources if path not in in_cc]
+    data = set(next((t.attrs.get("data", []) for t in targets if t.name == "jax_mla"), []))
+    for t in {id(t): t for t in in_cc.values()}.values():
+        if not t.attrs.get("linkshared"):
+            problems.append(f"{t.where}: set linkshared = True (it is loaded as a library)")
+        if f":{t.name}" not in data:
+            problems.append(f'{t.where}: add ":{t.name}" to the data of py_library "jax_mla"')
+    assert sources, "ffi/ has no C++ sources"
     _report(problems)
 
 

@@ -119,8 +119,8 @@ def test_l2_hints_knob_reaches_every_kernel(monkeypatch):
         assert td.decode_constexprs(cfg, **args)["L2_HINTS"] is want
         assert td.sm90_constexprs(cfg, **args)["L2_HINTS"] is want
         general = general_reduce_config(512, target, tuning.l2_hints)
-        td.reduce_partials(out, lse, sched, out, lse, config=general, platform="cuda")
+        td.reduce_partials(out, lse, sched, out, lse, config=general, target="cuda")
         assert seen["mla_reduce_kernel"] is want  # AITER's layout
         affine = reduce_config(4, 2, 512, target, tuning)
-        td.reduce_partials(out, lse, ours, out, lse, config=affine, platform="cuda")
+        td.reduce_partials(out, lse, ours, out, lse, config=affine, target="cuda")
         assert seen["mla_reduce_affine_kernel"] is want  # this package's plans

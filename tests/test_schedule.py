@@ -293,7 +293,7 @@ def test_triton_reduce_merges_many_partials_exactly(qlen, layout, chunk, monkeyp
     config = (general_reduce_config(lr, target) if layout == "maps" else
               reduce_config(programs, b, lr, target, TritonTuning.from_env()))
     out, lse = jax.jit(lambda p, pl_, f, fl: reduce_partials(p, pl_, sched, f, fl, config=config,
-                                                             platform=platform))(
+                                                             target=platform))(
         jnp.asarray(part), jnp.asarray(plse), jnp.asarray(final), jnp.asarray(final_lse))
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     for i in range(b):
@@ -413,7 +413,7 @@ def test_the_planning_kernel_is_the_jnp_plan_bit_for_bit(lens, qlen, block_n, pr
     indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     kw = dict(qlen=qlen, block_n=block_n, num_programs=programs, mode=mode)
     want = plan_splits(lens, indptr, **kw)
-    got = plan_splits_kernel(lens, indptr, platform=current_platform(), chunks=chunks, **kw)
+    got = plan_splits_kernel(lens, indptr, target=current_platform(), chunks=chunks, **kw)
     for name in ("work_indptr", "work_info_set", "num_works", "reduce_indptr",
                  "reduce_final_map", "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)),

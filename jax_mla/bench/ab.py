@@ -3,10 +3,11 @@
 ``python -m jax_mla.bench.ab OUT.json VARIANT... -- SHAPE... [--rounds N]``. A VARIANT is
 ``name`` (the defaults) or ``name:FIELD=VALUE[,FIELD=VALUE]`` with fields of
 :class:`jax_mla.TritonTuning` (``general:affine_reduce=0``, ``line:split_plan=line``,
-``bn32:block_n=32,num_stages=3``); a SHAPE is ``B,H,S[,Q[,PAGE[,KV]]]``. Each variant is its own
-plan (the tuning object is part of it, so of the jit cache key): no environment, no cleared
-caches. For every shape the variants are timed in turn, ``--rounds`` times over (interleaved, so
-drift shows), and every output is compared with the first variant's.
+``bn32:block_n=32,num_stages=3``, ``ffi:launcher=ffi,planner=kernel``); a SHAPE is
+``B,H,S[,Q[,PAGE[,KV]]]``. Each variant is its own plan (the tuning object is part of it, so
+of the jit cache key): no environment, no cleared caches. For every shape the variants are timed
+in turn, ``--rounds`` times over (interleaved, so drift shows), and every output is compared
+with the first variant's.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def parse_variant(text: str) -> tuple[str, TritonTuning]:
         if key not in fields:
             raise ValueError(f"variant {text!r}: {key!r} is not a TritonTuning field "
                              f"({', '.join(fields)})")
-        kw[key] = (value == "1" if "bool" in str(fields[key])
-                   else value if key == "split_plan" else int(value))
+        kind = str(fields[key])
+        kw[key] = value == "1" if "bool" in kind else value if kind == "str" else int(value)
     return name, TritonTuning(**kw)
 
 

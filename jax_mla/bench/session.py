@@ -12,7 +12,11 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   kernel's time and the GPU's idle gap before it;
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
-- ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`.
+- ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`;
+- ``launcher``: the FFI launcher (``docs/launcher.md``): builds its library if this checkout has
+  none, runs its GPU test and the conformance suite through it (with the planning kernel), then
+  the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton, FFI, FFI + planning kernel) at
+  :data:`LAUNCHER_SHAPES`, both timers, into ``launcher_ab.json``.
 
 Results go to ``$OUT`` (JSON and CSV; no logs or traces); ``python -m jax_mla.bench.report``
 turns a folder of them into ``RESULTS.md``.
@@ -36,16 +40,21 @@ KERNEL_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "64,16,4
 GAP_SHAPES = ("1,16,1024", "32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_SHAPES = ("32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_VARIANTS = ("base", "general:affine_reduce=0", "line:split_plan=line", "no_l2:l2_hints=0")
+LAUNCHER_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "128,16,8192",
+                   "32,16,32768", "128,128,4096", "64,16,4096,4", "64,16,4096,1,64,fp8")
+LAUNCHER_VARIANTS = ("jt:launcher=jax_triton", "ffi:launcher=ffi",
+                     "ffik:launcher=ffi,planner=kernel")
 
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def _python(args, timeout, name):
+def _python(args, timeout, name, **extra_env):
     """Run ``python args...`` with the GPU environment (no interpreter); log its tail."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OUT"] = OUT
+    env.update(extra_env)
     try:
         r = subprocess.run([sys.executable, *args], capture_output=True, text=True,
                            timeout=timeout, env=env)
@@ -136,6 +145,36 @@ def stage_aiter(_):
 def stage_ab(_):
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "ab.json"), *AB_VARIANTS, "--",
              *AB_SHAPES], 900, "ab")
+
+
+def _ffi_library() -> str:
+    """The FFI launcher library: the installed one, else built here with the C++ compiler
+    (``docs/launcher.md``, *Building*) into ``$OUT``'s parent, outside the results."""
+    import jax.ffi
+
+    from jax_mla.backends.triton import ffi_launch
+
+    if ffi_launch.unavailable_reason() is None:
+        return ffi_launch.library_path()
+    path = os.path.join(os.path.dirname(os.path.abspath(OUT)), "libjax_mla_triton_launch.so")
+    subprocess.run(["c++", "-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
+                    "-isystem", jax.ffi.include_dir(), "ffi/triton_launch.cc", "-o", path,
+                    "-ldl"], check=True)
+    return path
+
+
+def stage_launcher(_):
+    lib = _ffi_library()
+    log("FFI library", lib)
+    env = dict(JAX_MLA_FFI_LIBRARY=lib, JAX_MLA_TRITON_LAUNCHER="ffi")
+    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ffi_launch.py"], 300,
+            "ffi launcher tests", **env)
+    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
+             "triton"], 480, "conformance through the FFI launcher", **env,
+            JAX_MLA_TRITON_PLANNER="kernel")
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "launcher_ab.json"),
+             *LAUNCHER_VARIANTS, "--", *LAUNCHER_SHAPES], 900, "launcher ab",
+            JAX_MLA_FFI_LIBRARY=lib)
 
 
 STAGES = {name[len("stage_"):]: fn for name, fn in globals().items()

@@ -1,10 +1,11 @@
 """``backend="triton"``: split-KV Triton decode/verify and a varlen flash-attention prefill.
 
 - ``plan.py``: the route (tile, Triton or Gluon kernel, split plan, reduce), decided once.
-- ``schedule.py``: the persistent split-KV schedule, in jnp.
+- ``schedule.py``: the persistent split-KV schedule, in jnp or as one Triton program.
 - ``decode.py``: the decode call (split kernel, then reduce), as the plan says.
 - ``prefill.py``: the prefill kernel's tiles and launch.
-- ``launch.py``: kernels inside ``jax.jit`` (jax-triton on GPUs, the interpreter on CPU).
+- ``launch.py``: kernels inside ``jax.jit`` (our FFI launcher or jax-triton on GPUs, the
+  interpreter on CPU); ``ffi_launch.py``: the FFI launcher (``docs/launcher.md``).
 - ``compiler.py``: hooks in the kernel compile (the Hopper TTGIR rewrite, Gluon kernels).
 - ``aot.py``: ahead-of-time compile reports (no GPU needed).
 
@@ -27,7 +28,8 @@ __all__ = ["PrefillTritonConfig", "TritonBackend", "TritonPlan", "TritonTuning"]
 
 
 class TritonBackend(Backend):
-    """Triton kernels on CUDA and ROCm (jax-triton), and on CPU through the interpreter."""
+    """Triton kernels on CUDA and ROCm (our FFI launcher or jax-triton), and on CPU through
+    the interpreter."""
 
     name = "triton"
     platforms = ("cpu", "cuda", "rocm")
@@ -51,7 +53,8 @@ class TritonBackend(Backend):
                   mode=plan.split_mode)
         if plan.planner == "kernel":
             return plan_splits_kernel(metadata.seq_lens, metadata.paged_kv_indptr,
-                                      platform=plan.problem.target.platform, **kw)
+                                      target=plan.problem.target, launcher=plan.launcher,
+                                      **kw)
         return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, **kw)
 
     def decode(self, q, kv_cache, metadata, *, plan, scale, q_scale, kv_scale, return_lse):
@@ -72,4 +75,4 @@ class TritonBackend(Backend):
         cu_q = jnp.concatenate([cu_q, jnp.full((1,), t, jnp.int32)])
         cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
         return prefill_triton(q, k, v, cu_q, cu_k, scale=scale, causal=causal,
-                              platform=target.platform, config=config)
+                              target=target, config=config)

@@ -43,7 +43,7 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     p = plan.problem
     t_rows, h, d = q.shape
     lr, rd = p.kv_lora_rank, p.rope_dim
-    platform = p.target.platform
+    target, launcher = p.target, plan.launcher
     if is_fp8(q.dtype):  # dequantise once here; the kernel multiplies in bf16
         q = (q.astype(jnp.float32) * jnp.asarray(q_scale, jnp.float32)).astype(jnp.bfloat16)
     sched: SplitSchedule = md.schedule
@@ -71,10 +71,11 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
                     jax.ShapeDtypeStruct((t_rows, h), f32),
                     jax.ShapeDtypeStruct((prow, h, lr), f32),
                     jax.ShapeDtypeStruct((prow, h), f32)],
-        platform=platform, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+        target=target, launcher=launcher, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **consts,
     )
     return reduce_partials(part_out, part_lse, sched, out, lse, config=plan.reduce,
-                           platform=platform)
+                           target=target, launcher=launcher)
 
 
 def _problem_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages,
@@ -106,7 +107,8 @@ def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages,
         TILE_IN_PAGE=page_size % 64 == 0)
 
 
-def reduce_partials(part_out, part_lse, sched, out, lse, *, config: ReduceConfig, platform):
+def reduce_partials(part_out, part_lse, sched, out, lse, *, config: ReduceConfig, target,
+                    launcher=None):
     """Merge split partials into ``out``/``lse`` in place (requests with < 2 partials untouched).
 
     ``sched``: this package's :class:`SplitSchedule` (with ``config.affine``, the two-load
@@ -129,7 +131,8 @@ def reduce_partials(part_out, part_lse, sched, out, lse, *, config: ReduceConfig
             _kernels().mla_reduce_affine_kernel,
             part_out, part_lse, tiles, sched.reduce_tile_ptr, out, lse,
             grid=(tiles.shape[0], h_blocks, grid_l), out_shapes=out_shapes,
-            input_output_aliases={4: 0, 5: 1}, platform=platform, num_warps=4, num_stages=1,
+            input_output_aliases={4: 0, 5: 1}, target=target, launcher=launcher, num_warps=4,
+            num_stages=1,
             Q=sched.qlen, **consts)
     # Any partial map: a program for every listed tile (every request when none are listed).
     tiles = getattr(sched, "reduce_tiles", None)
@@ -140,5 +143,6 @@ def reduce_partials(part_out, part_lse, sched, out, lse, *, config: ReduceConfig
         part_out, part_lse, sched.reduce_indptr, sched.reduce_final_map,
         sched.reduce_partial_map, tiles, out, lse,
         grid=(tiles.shape[0], h_blocks, grid_l), out_shapes=out_shapes,
-        input_output_aliases={6: 0, 7: 1}, platform=platform, num_warps=4, num_stages=1,
+        input_output_aliases={6: 0, 7: 1}, target=target, launcher=launcher, num_warps=4,
+        num_stages=1,
         MAX_ROWS=sched.qlen, **consts)

@@ -1,14 +1,19 @@
 """One way to launch a ``@triton.jit`` (or ``@gluon.jit``) kernel inside ``jax.jit``, everywhere.
 
-- CUDA / ROCm: ``jax_triton.triton_call``, i.e. jaxlib's native ``triton_kernel_call`` custom call
-  (no Python on the hot path). jax-triton cannot even be imported on a CPU-only jaxlib, so it is
-  imported here lazily, only when lowering for a GPU.
-- CPU: the *same* kernel source runs under Triton's interpreter through
+Three launchers (:data:`LAUNCHERS`; the plan's, or :func:`resolve_launcher`'s choice):
+
+- ``ffi`` (CUDA / ROCm): jax_mla's own typed XLA FFI handler (``ffi/triton_launch.cc``) launches
+  the kernel compiled ahead of time for the plan's target (``ffi_launch.py``). Command-buffer
+  compatible; no jax-triton.
+- ``jax_triton`` (CUDA / ROCm): ``jax_triton.triton_call``, jaxlib's legacy ``triton_kernel_call``
+  custom call. jax-triton cannot even be imported on a CPU-only jaxlib, so it is imported here
+  lazily, only when lowering for a GPU.
+- ``interpret`` (CPU): the *same* kernel source runs under Triton's interpreter through
   ``jax.experimental.buffer_callback`` and ``torch.from_dlpack`` (slow; for CI and small shapes).
   The interpreter is switched on by ``TRITON_INTERPRET=1`` before triton is first imported.
 
-Kernel arguments are the inputs, then the outputs (jax-triton's convention). Python scalars are
-baked in at compile time: pass values that change from step to step as arrays.
+Kernel arguments are the inputs, then the outputs (jax-triton's convention). Every argument is an
+array; compile-time values go as constexpr keywords (a new value is a new compile).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import sys
 import threading
 
 from jax_mla import env
-from jax_mla.backends.triton import compiler
-from jax_mla.problem import GPU_PLATFORMS
+from jax_mla.backends.triton import compiler, ffi_launch
+from jax_mla.problem import GPU_PLATFORMS, Target, as_target
+
+LAUNCHERS = ("auto", "ffi", "jax_triton")
 
 # Triton's interpreter patches module globals while it runs a kernel, and a first ``import torch``
 # is not thread safe either: on a multi-device CPU mesh (DCP tests) XLA runs one callback per
@@ -35,7 +42,7 @@ def triton_importable(platform: str) -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     if platform in GPU_PLATFORMS:
-        return importlib.util.find_spec("jax_triton") is not None
+        return _jax_triton_installed() or ffi_launch.unavailable_reason() is None
     if platform != "cpu":
         return False
     # On CPU only the interpreter runs kernels; it must be chosen before triton is imported.
@@ -49,24 +56,54 @@ def unavailable_reason(platform: str) -> str | None:
     if triton_importable(platform):
         return None
     if platform in GPU_PLATFORMS:
-        return ("backend='triton' needs triton and jax-triton on a GPU host "
-                "(pip install 'jax_mla[cuda]')")
+        return ("backend='triton' on a GPU needs triton and jax_mla's FFI launcher library "
+                f"(pip install 'jax_mla[cuda]'): {ffi_launch.unavailable_reason()}")
     if platform == "cpu":
         return ("backend='triton' on a CPU runs Triton's interpreter: it needs triton and torch "
                 "(pip install 'jax_mla[test]') and TRITON_INTERPRET=1 before triton is imported")
     return f"backend='triton' does not run on platform {platform!r}"
 
 
-def triton_call(kernel, *args, grid, out_shapes, platform, input_output_aliases=None,
-                num_warps=4, num_stages=2, **constexprs):
+def _jax_triton_installed() -> bool:
+    return importlib.util.find_spec("jax_triton") is not None
+
+
+def resolve_launcher(target: Target, choice: str | None = None) -> str:
+    """The launcher for ``target``: ``interpret`` on CPU; on GPUs ``choice`` (default: the
+    ``JAX_MLA_TRITON_LAUNCHER`` variable, else ``auto``), where ``auto`` is jax-triton when it
+    is installed and the FFI launcher otherwise.
+
+    ``auto`` stays with jax-triton until the FFI launcher has been measured on a GPU
+    (``docs/launcher.md`` says what ran where).
+    """
+    if not target.gpu:
+        return "interpret"
+    choice = choice or env.read_choice("JAX_MLA_TRITON_LAUNCHER", LAUNCHERS, "auto")
+    if choice not in LAUNCHERS:
+        raise ValueError(f"launcher={choice!r} must be one of {LAUNCHERS}")
+    if choice == "auto":
+        return "jax_triton" if _jax_triton_installed() else "ffi"
+    return choice
+
+
+def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
+                input_output_aliases=None, num_warps=4, num_stages=2, **constexprs):
     """Run ``kernel[grid](*args, *outs, **constexprs)``; returns the output arrays (a tuple).
 
-    ``input_output_aliases`` maps the index of an array argument (scalars not counted) to the
-    output that reuses its buffer; the kernel still gets both pointers (jax-triton's rule).
+    ``target``: a :class:`~jax_mla.problem.Target` or a platform name; ``launcher``: one of
+    :data:`LAUNCHERS` (default :func:`resolve_launcher`'s). ``input_output_aliases`` maps the
+    index of an argument to the output that reuses its buffer; the kernel still gets both
+    pointers (jax-triton's rule).
     """
+    target = as_target(target)
+    launcher = resolve_launcher(target, launcher)
     out_shapes = tuple(out_shapes)
     aliases = dict(input_output_aliases or {})
-    if platform in GPU_PLATFORMS:
+    if launcher == "ffi":
+        return ffi_launch.launch(kernel, args, grid=grid, out_shapes=out_shapes, target=target,
+                                 input_output_aliases=aliases, num_warps=num_warps,
+                                 num_stages=num_stages, **constexprs)
+    if launcher == "jax_triton":
         import jax_triton as jt
 
         compiler.install()  # WG_SPLIT and @gluon.jit kernels: see compiler.py

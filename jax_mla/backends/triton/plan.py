@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jax_mla import env
 from jax_mla.backends.base import DecodePlan
+from jax_mla.backends.triton.launch import LAUNCHERS, resolve_launcher
 from jax_mla.backends.triton.schedule import PLAN_MODES
 from jax_mla.problem import DecodeProblem, Target, as_target
 
@@ -44,6 +45,11 @@ GPU_TILES = {
     16: {"block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
     64: {"block_n": 64, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},
 }
+# AMD Instinct: Triton's AMD pipeliner is tuned for two stages, and gfx942 has 64 KiB of LDS a
+# workgroup (gfx950: 160 KiB). Compiled for gfx942 (triton 3.9), the 16-row tile takes 72 KiB
+# at three stages and 36 KiB at two; the 64-row tile 80 KiB at two stages and 64 KiB at one.
+ROCM_MAX_STAGES = {16: 2, 64: 2}
+GFX942_MAX_STAGES = {16: 2, 64: 1}
 # The Gluon sm_90 kernel: 4 warps compile the default partition (warpgroup 0), the worker
 # partition adds 4 more; the schedule hands it KV ranges in pairs of 64-token tiles.
 SM90_TILE = {"block_n": 128, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1, "sm90": True}
@@ -67,8 +73,10 @@ class TritonTuning:
     two-load reduce for this package's plans; ``reduce_block_s`` / ``reduce_block_l``: the
     reduce's chunk and column block; ``split_plan``: ``auto``, ``line`` or ``even``;
     ``planner``: how the split schedule is computed, ``kernel`` (one Triton program,
-    ``kernels/triton/plan.py``), ``jnp`` (XLA ops) or ``auto`` (the kernel on GPUs, jnp on CPU,
-    where the interpreter would only be slower); both give the same arrays.
+    ``kernels/triton/plan.py``), ``jnp`` (XLA ops) or ``auto`` (jnp for now: the kernel is
+    bit-exact with it in Triton's interpreter but has not yet run on a GPU); both give the same
+    arrays. ``launcher``: how kernels reach XLA on GPUs, ``ffi`` (jax_mla's own FFI handler),
+    ``jax_triton`` or ``auto`` (``launch.resolve_launcher``).
     """
 
     block_n: int | None = None
@@ -85,12 +93,15 @@ class TritonTuning:
     reduce_block_l: int | None = None
     split_plan: str = "auto"
     planner: str = "auto"
+    launcher: str = "auto"
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
             raise ValueError(f"split_plan={self.split_plan!r} must be one of {PLAN_MODES}")
         if self.planner not in PLANNERS:
             raise ValueError(f"planner={self.planner!r} must be one of {PLANNERS}")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher={self.launcher!r} must be one of {LAUNCHERS}")
 
     @classmethod
     def from_env(cls) -> TritonTuning:
@@ -110,6 +121,7 @@ class TritonTuning:
             reduce_block_l=env.read_int("JAX_MLA_TRITON_REDUCE_BLOCK_L"),
             split_plan=split_plan_mode(),
             planner=env.read_choice("JAX_MLA_TRITON_PLANNER", PLANNERS, "auto"),
+            launcher=env.read_choice("JAX_MLA_TRITON_LAUNCHER", LAUNCHERS, "auto"),
         )
 
     @property
@@ -158,6 +170,7 @@ class TritonPlan(DecodePlan):
       num_programs: persistent programs per head block.
       split_mode: the split schedule's mode (``auto``, ``line`` or ``even``).
       planner: ``kernel`` or ``jnp``: how the split schedule is computed.
+      launcher: ``ffi``, ``jax_triton`` (GPUs) or ``interpret`` (CPU): how kernels are launched.
       reduce: the reduce's kernel and tile.
       tuning: the overrides the plan was made with.
     """
@@ -166,6 +179,7 @@ class TritonPlan(DecodePlan):
     num_programs: int = 1
     split_mode: str = "auto"
     planner: str = "jnp"
+    launcher: str = "interpret"
     reduce: ReduceConfig = None
     tuning: TritonTuning = None
 
@@ -227,7 +241,11 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
     if (sm90 and block_m == 64 and target.hopper and tuning.sm90_kernel
             and not tuning.tile_overrides and gluon_available()):
         return KernelConfig(**common, **SM90_TILE)
-    tile = dict(GPU_TILES[16 if block_m <= 16 else 64])
+    rows = 16 if block_m <= 16 else 64
+    tile = dict(GPU_TILES[rows])
+    if target.platform == "rocm":
+        cap = (ROCM_MAX_STAGES if target.arch == "gfx950" else GFX942_MAX_STAGES)[rows]
+        tile["num_stages"] = min(tile["num_stages"], cap)
     tile.update(tuning.tile_overrides)
     if tuning.ctas_per_sm:
         tile["ctas_per_sm"] = tuning.ctas_per_sm
@@ -296,10 +314,11 @@ def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = N
     sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale)
     cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning)
     programs = num_programs(cfg, target)
-    planner = tuning.planner if tuning.planner != "auto" else (
-        "kernel" if target.gpu else "jnp")
+    # "auto" keeps XLA ops until the planning kernel has been checked on a GPU.
+    planner = "jnp" if tuning.planner == "auto" else tuning.planner
     return TritonPlan(
         backend=name, problem=problem, padded_heads=p.num_heads, kernel=cfg,
         num_programs=programs, split_mode=tuning.split_plan, planner=planner,
+        launcher=resolve_launcher(target, tuning.launcher),
         reduce=reduce_config(programs, p.num_seqs, p.kv_lora_rank, target, tuning),
         tuning=tuning)

@@ -114,7 +114,7 @@ def query_block_table(cu_q, num_blocks: int, block_m: int, causal: bool):
     return blk_seq, blk_m0
 
 
-def prefill_triton(q, k, v, cu_q, cu_k, *, scale: float, causal: bool, platform: str,
+def prefill_triton(q, k, v, cu_q, cu_k, *, scale: float, causal: bool, target,
                    config: PrefillTritonConfig | None = None):
     """Varlen flash attention through the Triton kernel.
 
@@ -142,7 +142,7 @@ def prefill_triton(q, k, v, cu_q, cu_k, *, scale: float, causal: bool, platform:
         grid=(nb, h),
         out_shapes=(jax.ShapeDtypeStruct((t, h, dv), q.dtype),
                     jax.ShapeDtypeStruct((t, h), jnp.float32)),
-        platform=platform, num_warps=config.num_warps, num_stages=config.num_stages,
+        target=target, num_warps=config.num_warps, num_stages=config.num_stages,
         QK_SCALE=float(scale) * LOG2E, H=h, DQK=dqk, DV=dv, D1=d1, D2=max(d2, 16),
         BLOCK_DV=bdv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=bool(causal),
         UPCAST=upcast, IEEE=(jnp.dtype(q.dtype) == jnp.float32 and not upcast),

@@ -265,12 +265,13 @@ _MODE_IDS = {"auto": 0, "line": 1, "even": 2}
 
 
 def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_blocks=1,
-                       mode="auto", platform="cuda", chunks=(128, 128, 128)) -> SplitSchedule:
+                       mode="auto", target="cuda", launcher=None,
+                       chunks=(128, 128, 128)) -> SplitSchedule:
     """:func:`plan_splits` as one Triton program (``kernels/triton/plan.py``): the same arrays,
     bit for bit, in a single launch instead of XLA's chain of small kernels.
 
-    ``chunks``: requests, programs and works a program handles at once (powers of two); ``platform``
-    as ``launch.triton_call``. Jittable; nothing is read back to the host.
+    ``chunks``: requests, programs and works a program handles at once (powers of two); ``target``
+    and ``launcher`` as ``launch.triton_call``. Jittable; nothing is read back to the host.
     """
     from jax_mla.kernels.triton import plan as plan_kernel  # imports triton: at trace time
 
@@ -286,7 +287,7 @@ def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_
     outs = triton_call(
         plan_kernel.mla_plan_kernel, seq_lens.astype(i32), kv_indptr.astype(i32),
         grid=(1,), out_shapes=[jax.ShapeDtypeStruct(s, d) for s, d in shapes],
-        platform=platform, num_warps=8, num_stages=1,
+        target=target, launcher=launcher, num_warps=8, num_stages=1,
         B=b, P=p, NT=nt, QLEN=qlen, BLOCK_N=block_n, MODE=_MODE_IDS[mode],
         OVERHEAD=OVERHEAD_BLOCKS, SLACK_NUM=NO_SPLIT_SLACK[0], SLACK_DEN=NO_SPLIT_SLACK[1],
         EVEN_SLACK=EVEN_SLACK_BLOCKS, GRID=_GRID, CB=cb, CP=cp, CW=cw)

@@ -1,0 +1,397 @@
+// XLA FFI handlers that launch kernels compiled ahead of time by Triton (a cubin on CUDA, an
+// hsaco on ROCm) on XLA's stream.
+//
+// A launch is described entirely by the custom call's attributes: the kernel's name, its binary
+// (and a hash of it, the module cache key), the grid, the threads per block, the dynamic shared
+// memory, and how many hidden pointer parameters Triton appended to the kernel (its global and
+// profile scratch; jax_mla's kernels need neither, so they are passed as null). The kernel's
+// parameters are the device pointers of every operand, then of every result, in order (an
+// aliased result is passed twice, once as each), then the hidden ones.
+//
+// The driver (libcuda / libamdhip64) is opened with dlopen on first use, so this library builds
+// with a plain C++ compiler and no CUDA or ROCm toolkit. A module is loaded once per device
+// (ordinal) and binary, in the initialize stage (before any command-buffer capture) or at the
+// first execution, and cached for the life of the process; execution only launches (nothing
+// for an empty grid), so the handlers are command-buffer (CUDA graph) compatible.
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_mla {
+namespace {
+
+using Result = int;  // CUresult / hipError_t: 0 is success.
+
+// The few driver entry points a launch needs; CUDA's and HIP's have the same shapes.
+struct Driver {
+  const char* vendor = nullptr;  // "CUDA" or "HIP"
+  Result (*module_load_data)(void** module, const void* image) = nullptr;
+  Result (*module_get_function)(void** function, void* module, const char* name) = nullptr;
+  Result (*launch_kernel)(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                          unsigned by, unsigned bz, unsigned shared, void* stream,
+                          void** params, void** extra) = nullptr;
+  Result (*func_set_attribute)(void* function, int attribute, int value) = nullptr;
+  // Making the device's context current for a module load (CUDA: the stream's context; HIP:
+  // the device ordinal), whatever thread XLA calls the initialize stage from.
+  Result (*stream_get_ctx)(void* stream, void** ctx) = nullptr;
+  Result (*ctx_push)(void* ctx) = nullptr;
+  Result (*ctx_pop)(void** ctx) = nullptr;
+  Result (*get_device)(int* ordinal) = nullptr;
+  Result (*set_device)(int ordinal) = nullptr;
+  // For error messages: what device an ordinal is (optional entry points).
+  Result (*device_get)(int* device, int ordinal) = nullptr;
+  Result (*device_get_attribute)(int* value, int attribute, int device) = nullptr;
+  Result (*device_get_name)(char* name, int len, int device) = nullptr;
+  std::string error;  // why the driver could not be opened ("" when it was)
+
+  std::string Describe(Result r) const {
+    return std::string(vendor) + " error " + std::to_string(r);
+  }
+};
+
+template <typename T>
+bool Load(void* lib, const char* name, T* fn, std::string* missing) {
+  *fn = reinterpret_cast<T>(dlsym(lib, name));
+  if (*fn == nullptr) *missing += std::string(" ") + name;
+  return *fn != nullptr;
+}
+
+const Driver& GetDriver(bool hip) {
+  static Driver cuda, rocm;
+  static std::once_flag cuda_once, rocm_once;
+  Driver& d = hip ? rocm : cuda;
+  std::call_once(hip ? rocm_once : cuda_once, [&] {
+    d.vendor = hip ? "HIP" : "CUDA";
+    const char* names[] = {hip ? "libamdhip64.so" : "libcuda.so.1",
+                           hip ? "libamdhip64.so.6" : "libcuda.so"};
+    void* lib = nullptr;
+    for (const char* name : names) {
+      if ((lib = dlopen(name, RTLD_NOW | RTLD_GLOBAL)) != nullptr) break;
+    }
+    if (lib == nullptr) {
+      d.error = hip ? "jax_mla could not open the ROCm runtime (libamdhip64.so): install "
+                      "ROCm, or put its lib directory on LD_LIBRARY_PATH"
+                    : "jax_mla could not open the NVIDIA driver (libcuda.so.1): install the "
+                      "driver, or put its lib directory on LD_LIBRARY_PATH";
+      return;
+    }
+    std::string missing;
+    if (hip) {
+      Load(lib, "hipModuleLoadData", &d.module_load_data, &missing);
+      Load(lib, "hipModuleGetFunction", &d.module_get_function, &missing);
+      Load(lib, "hipModuleLaunchKernel", &d.launch_kernel, &missing);
+      Load(lib, "hipGetDevice", &d.get_device, &missing);
+      Load(lib, "hipSetDevice", &d.set_device, &missing);
+      std::string optional;
+      Load(lib, "hipDeviceGetName", &d.device_get_name, &optional);
+    } else {
+      Load(lib, "cuModuleLoadData", &d.module_load_data, &missing);
+      Load(lib, "cuModuleGetFunction", &d.module_get_function, &missing);
+      Load(lib, "cuLaunchKernel", &d.launch_kernel, &missing);
+      Load(lib, "cuFuncSetAttribute", &d.func_set_attribute, &missing);
+      Load(lib, "cuStreamGetCtx", &d.stream_get_ctx, &missing);
+      Load(lib, "cuCtxPushCurrent_v2", &d.ctx_push, &missing);
+      Load(lib, "cuCtxPopCurrent_v2", &d.ctx_pop, &missing);
+      std::string optional;
+      Load(lib, "cuDeviceGet", &d.device_get, &optional);
+      Load(lib, "cuDeviceGetAttribute", &d.device_get_attribute, &optional);
+    }
+    if (!missing.empty()) d.error = "jax_mla: the " + std::string(d.vendor) +
+                                    " driver lacks" + missing;
+  });
+  return d;
+}
+
+// "device 0 (sm_90)" on CUDA, "device 0 (AMD Instinct MI300X)" on ROCm, as far as known.
+std::string DescribeDevice(const Driver& d, int32_t ordinal) {
+  std::string out = "device " + std::to_string(ordinal);
+  if (d.device_get != nullptr && d.device_get_attribute != nullptr) {
+    int dev = 0, major = 0, minor = 0;
+    // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
+    if (d.device_get(&dev, ordinal) == 0 && d.device_get_attribute(&major, 75, dev) == 0 &&
+        d.device_get_attribute(&minor, 76, dev) == 0) {
+      out += " (sm_" + std::to_string(major) + std::to_string(minor) + ")";
+    }
+  } else if (d.device_get_name != nullptr) {
+    char name[256] = {0};
+    if (d.device_get_name(name, sizeof(name) - 1, ordinal) == 0) out += " (" + std::string(name) + ")";
+  }
+  return out;
+}
+
+// What a launch needs besides its pointers.
+struct Launch {
+  std::string_view name;
+  ffi::Span<const uint8_t> binary;
+  int64_t binary_hash;
+  int32_t grid[3];
+  int32_t block_threads;
+  int32_t shared_bytes;
+  int32_t hidden_params;
+  std::string_view target;
+};
+
+// Functions by (device ordinal, binary hash, kernel name), loaded once into the device's
+// current context (XLA makes it current before it calls a handler).
+std::mutex cache_mutex;
+std::map<std::tuple<int32_t, int64_t, std::string>, void*> function_cache;
+
+// CUDA's attribute for more than 48 KiB of dynamic shared memory.
+constexpr int kMaxDynamicSharedBytes = 8;
+
+// The device's context made current for the life of the object (restored after).
+class ScopedDevice {
+ public:
+  ScopedDevice(const Driver& d, void* stream, int32_t device) : d_(d) {
+    if (d.ctx_push != nullptr) {  // CUDA
+      void* ctx = nullptr;
+      if (d.stream_get_ctx(stream, &ctx) == 0 && ctx != nullptr && d.ctx_push(ctx) == 0) {
+        pushed_ = true;
+      }
+    } else if (d.get_device != nullptr && d.get_device(&saved_) == 0 && saved_ != device) {
+      restore_ = d.set_device(device) == 0;  // HIP
+    }
+  }
+  ~ScopedDevice() {
+    void* ignored = nullptr;
+    if (pushed_) d_.ctx_pop(&ignored);
+    if (restore_) d_.set_device(saved_);
+  }
+
+ private:
+  const Driver& d_;
+  bool pushed_ = false, restore_ = false;
+  int saved_ = 0;
+};
+
+ffi::ErrorOr<void*> GetFunction(const Driver& d, void* stream, int32_t device, const Launch& l) {
+  if (!d.error.empty()) return ffi::Unexpected(ffi::Error::Internal(d.error));
+  auto cache_key = std::make_tuple(device, l.binary_hash, std::string(l.name));
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  if (auto it = function_cache.find(cache_key); it != function_cache.end()) return it->second;
+  ScopedDevice scoped(d, stream, device);
+  // The image must outlive the module load only; copy it (attribute storage is not ours).
+  std::vector<uint8_t> image(l.binary.begin(), l.binary.end());
+  image.push_back(0);  // harmless for ELF images, required for text ones
+  void* module = nullptr;
+  if (Result r = d.module_load_data(&module, image.data()); r != 0) {
+    return ffi::Unexpected(ffi::Error::Internal(
+        "jax_mla: cannot load kernel " + std::string(l.name) + " compiled for " +
+        std::string(l.target) + " on " + DescribeDevice(d, device) + " (" + d.Describe(r) +
+        "): the plan's target must be the architecture of the device the step runs on"));
+  }
+  void* function = nullptr;
+  std::string name(l.name);
+  if (Result r = d.module_get_function(&function, module, name.c_str()); r != 0) {
+    return ffi::Unexpected(ffi::Error::Internal("jax_mla: kernel " + name + " is not in its module (" +
+                                d.Describe(r) + ")"));
+  }
+  if (d.func_set_attribute != nullptr && l.shared_bytes > 48 * 1024) {
+    if (Result r = d.func_set_attribute(function, kMaxDynamicSharedBytes, l.shared_bytes);
+        r != 0) {
+      return ffi::Unexpected(ffi::Error::Internal("jax_mla: kernel " + name + " cannot have " +
+                                  std::to_string(l.shared_bytes) + " bytes of shared memory (" +
+                                  d.Describe(r) + ")"));
+    }
+  }
+  function_cache.emplace(cache_key, function);
+  return function;
+}
+
+// The kernel's parameters: every operand's pointer, then every result's (the first `n_rets`),
+// then `hidden` null pointers.
+ffi::ErrorOr<std::vector<void*>> KernelPointers(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                               size_t n_rets, int32_t hidden) {
+  std::vector<void*> ptrs;
+  ptrs.reserve(args.size() + n_rets + hidden);
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return ffi::Unexpected(buf.error());
+    ptrs.push_back(buf->untyped_data());
+  }
+  for (size_t i = 0; i < n_rets; ++i) {
+    auto buf = rets.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return ffi::Unexpected(buf.error());
+    ptrs.push_back((*buf)->untyped_data());
+  }
+  for (int32_t i = 0; i < hidden; ++i) ptrs.push_back(nullptr);
+  return ptrs;
+}
+
+ffi::Error Execute(bool hip, void* stream, int32_t device, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, const Launch& l) {
+  const Driver& d = GetDriver(hip);
+  auto function = GetFunction(d, stream, device, l);
+  if (function.has_error()) return function.error();
+  if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) return ffi::Error::Success();
+  auto ptrs = KernelPointers(args, rets, rets.size(), l.hidden_params);
+  if (ptrs.has_error()) return ptrs.error();
+  std::vector<void*> params(ptrs->size());
+  for (size_t i = 0; i < ptrs->size(); ++i) params[i] = &(*ptrs)[i];
+  if (Result r = d.launch_kernel(*function, l.grid[0], l.grid[1], l.grid[2], l.block_threads,
+                                 1, 1, l.shared_bytes, stream, params.data(), nullptr);
+      r != 0) {
+    return ffi::Error::Internal("jax_mla: launching " + std::string(l.name) + " failed (" +
+                                d.Describe(r) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Initialize(bool hip, void* stream, int32_t device, const Launch& l) {
+  auto function = GetFunction(GetDriver(hip), stream, device, l);
+  return function.has_error() ? function.error() : ffi::Error::Success();
+}
+
+template <typename Binding>
+auto BindLaunchAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<std::string_view>("kernel_name")
+      .template Attr<ffi::Span<const uint8_t>>("binary")
+      .template Attr<int64_t>("binary_hash")
+      .template Attr<int32_t>("grid_x")
+      .template Attr<int32_t>("grid_y")
+      .template Attr<int32_t>("grid_z")
+      .template Attr<int32_t>("block_threads")
+      .template Attr<int32_t>("shared_bytes")
+      .template Attr<int32_t>("hidden_params")
+      .template Attr<std::string_view>("target");
+}
+
+Launch MakeLaunch(std::string_view name, ffi::Span<const uint8_t> binary, int64_t hash,
+                  int32_t gx, int32_t gy, int32_t gz, int32_t threads, int32_t shared,
+                  int32_t hidden, std::string_view target) {
+  return Launch{name, binary, hash, {gx, gy, gz}, threads, shared, hidden, target};
+}
+
+}  // namespace
+}  // namespace jax_mla
+
+using jax_mla::MakeLaunch;
+
+// The handlers are the library's only exported symbols (it is built with -fvisibility=hidden).
+#define JAX_MLA_EXPORT_HANDLER(name) \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* name(XLA_FFI_CallFrame*);
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonInitializeCuda)
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonExecuteCuda)
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonInitializeRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonExecuteRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonPackCpu)
+
+#define JAX_MLA_LAUNCH_ATTR_PARAMS                                                      \
+  std::string_view name, ffi::Span<const uint8_t> binary, int64_t hash, int32_t gx,      \
+      int32_t gy, int32_t gz, int32_t threads, int32_t shared, int32_t hidden,           \
+      std::string_view target
+#define JAX_MLA_LAUNCH_ATTR_ARGS name, binary, hash, gx, gy, gz, threads, shared, hidden, target
+
+// CUDA.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaTritonInitializeCuda,
+    [](void* stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
+       JAX_MLA_LAUNCH_ATTR_PARAMS) {
+      return jax_mla::Initialize(false, stream, device, MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
+    },
+    jax_mla::BindLaunchAttrs(ffi::Ffi::BindInitialize()
+                                 .Ctx<ffi::PlatformStream<void*>>()
+                                 .Ctx<ffi::DeviceOrdinal>()
+                                 .RemainingArgs()
+                                 .RemainingRets()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaTritonExecuteCuda,
+    [](void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
+       JAX_MLA_LAUNCH_ATTR_PARAMS) {
+      return jax_mla::Execute(false, stream, device, args, rets,
+                              MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
+    },
+    jax_mla::BindLaunchAttrs(ffi::Ffi::Bind()
+                                 .Ctx<ffi::PlatformStream<void*>>()
+                                 .Ctx<ffi::DeviceOrdinal>()
+                                 .RemainingArgs()
+                                 .RemainingRets()),
+    {ffi::Traits::kCmdBufferCompatible});
+
+// ROCm.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaTritonInitializeRocm,
+    [](void* stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
+       JAX_MLA_LAUNCH_ATTR_PARAMS) {
+      return jax_mla::Initialize(true, stream, device, MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
+    },
+    jax_mla::BindLaunchAttrs(ffi::Ffi::BindInitialize()
+                                 .Ctx<ffi::PlatformStream<void*>>()
+                                 .Ctx<ffi::DeviceOrdinal>()
+                                 .RemainingArgs()
+                                 .RemainingRets()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaTritonExecuteRocm,
+    [](void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
+       JAX_MLA_LAUNCH_ATTR_PARAMS) {
+      return jax_mla::Execute(true, stream, device, args, rets,
+                              MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
+    },
+    jax_mla::BindLaunchAttrs(ffi::Ffi::Bind()
+                                 .Ctx<ffi::PlatformStream<void*>>()
+                                 .Ctx<ffi::DeviceOrdinal>()
+                                 .RemainingArgs()
+                                 .RemainingRets()),
+    {ffi::Traits::kCmdBufferCompatible});
+
+// Why the CUDA (hip == 0) or ROCm (hip != 0) driver cannot be used, copied into `buffer`
+// ("" when it can): what the handlers return at their first call. For tests and diagnostics.
+extern "C" __attribute__((visibility("default"))) int JaxMlaTritonDriverError(int hip,
+                                                                              char* buffer,
+                                                                              int size) {
+  const std::string& error = jax_mla::GetDriver(hip != 0).error;
+  if (size > 0) {
+    std::snprintf(buffer, static_cast<size_t>(size), "%s", error.c_str());
+  }
+  return static_cast<int>(error.size());
+}
+
+// CPU twin for tests: decodes the same attributes and packs the same parameters, then writes,
+// into its last result (int32, one entry per parameter), which operand (0..) or result
+// (n_args..) each parameter points at, -1 for a null one; the other results are left as they
+// are. Nothing is launched.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaTritonPackCpu,
+    [](ffi::RemainingArgs args, ffi::RemainingRets rets, JAX_MLA_LAUNCH_ATTR_PARAMS) {
+      jax_mla::Launch l = MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS);
+      if (rets.size() == 0) return ffi::Error::InvalidArgument("no result to write into");
+      auto ptrs = jax_mla::KernelPointers(args, rets, rets.size() - 1, l.hidden_params);
+      if (ptrs.has_error()) return ptrs.error();
+      auto out = rets.get<ffi::AnyBuffer>(rets.size() - 1);
+      if (out.has_error()) return out.error();
+      if ((*out)->element_count() != ptrs->size() ||
+          (*out)->element_type() != ffi::DataType::S32) {
+        return ffi::Error::InvalidArgument("the last result must be int32[number of params]");
+      }
+      int32_t* dst = static_cast<int32_t*>((*out)->untyped_data());
+      for (size_t k = 0; k < ptrs->size(); ++k) {
+        dst[k] = -1;
+        for (size_t i = 0; i < args.size() && dst[k] < 0; ++i) {
+          if (args.get<ffi::AnyBuffer>(i)->untyped_data() == (*ptrs)[k]) dst[k] = i;
+        }
+        for (size_t i = 0; i + 1 < rets.size() && dst[k] < 0; ++i) {
+          if ((*rets.get<ffi::AnyBuffer>(i))->untyped_data() == (*ptrs)[k]) {
+            dst[k] = args.size() + i;
+          }
+        }
+      }
+      return ffi::Error::Success();
+    },
+    jax_mla::BindLaunchAttrs(ffi::Ffi::Bind().RemainingArgs().RemainingRets()));

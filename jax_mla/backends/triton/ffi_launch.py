@@ -1,0 +1,443 @@
+"""The native launcher: a ``@triton.jit`` (or ``@gluon.jit``) kernel compiled ahead of time for
+the plan's target, launched by jax_mla's own typed XLA FFI handlers (``ffi/triton_launch.cc``).
+
+How a kernel becomes a custom call (``docs/launcher.md`` has the whole story):
+
+1. At trace time :func:`compile_kernel` compiles the kernel for the target (``sm_90``-style CUDA
+   archs, ``gfx942``/``gfx950``) with Triton's own compiler, from the operands' dtypes and the
+   launch's constexprs, the same specialization jax-triton makes (pointers 16-byte aligned). The
+   result, a :class:`KernelBinary` (cubin or hsaco, name, threads, shared memory, how many hidden
+   parameters Triton appended), is cached in memory and on disk (:func:`cache_dir`, keyed by the
+   Triton version, the kernel's source, the specialization and the target).
+2. :func:`launch` emits one ``stablehlo.custom_call @jax_mla_triton`` (api_version 4, the typed
+   FFI) with the binary and its launch parameters as static attributes.
+3. At run time the handler registered for the platform (``CUDA`` or ``ROCM``, see
+   :func:`register`) loads the module once per device, in XLA's initialize stage, and launches
+   it on XLA's stream with ``cuLaunchKernel`` / ``hipModuleLaunchKernel``. The handler is marked
+   command-buffer compatible, so XLA may capture it in a CUDA graph.
+
+The kernel's parameters are its operands, then its results, then the hidden ones (null); an
+output aliased to an input reuses its buffer and still appears twice (jax-triton's convention,
+so the kernels need no change). Only arrays are runtime parameters; every scalar is a constexpr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+
+import jax
+import numpy as np
+
+from jax_mla import env
+from jax_mla.backends.triton import compiler
+from jax_mla.problem import Target
+
+log = logging.getLogger(__name__)
+
+TARGET_NAME = "jax_mla_triton"  # the custom call on CUDA and ROCm
+PACK_TARGET_NAME = "jax_mla_triton_pack"  # the CPU twin that reports the argument packing
+LIBRARY_MODULE = "jax_mla._triton_launch"  # the library setup.py builds from ffi/
+# Bumped when what is cached changes shape, or the TTGIR rewrite changes.
+CACHE_FORMAT = 1
+
+# Triton's pointer types for jax's dtypes.
+_POINTER_TYPES = {
+    "bool": "*i1", "int8": "*i8", "int16": "*i16", "int32": "*i32", "int64": "*i64",
+    "uint8": "*u8", "uint16": "*u16", "uint32": "*u32", "uint64": "*u64",
+    "float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "float64": "*fp64",
+    "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5", "float8_e4m3fnuz": "*fp8e4b8",
+    "float8_e5m2fnuz": "*fp8e5b16",
+}
+_ALIGN = [["tt.divisibility", 16]]  # XLA's buffers are at least 16-byte aligned
+# Most shared memory (LDS) one block may use, by architecture (opt-in maximum on CUDA).
+SHARED_LIMITS = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376,
+                 "sm_90": 232448, "sm_100": 232448, "sm_103": 232448, "sm_120": 101376,
+                 "gfx90a": 65536, "gfx942": 65536, "gfx950": 163840}
+
+
+# --- the handler library --------------------------------------------------------------------
+
+def library_path() -> str | None:
+    """The built handler library: ``JAX_MLA_FFI_LIBRARY`` or the one installed with jax_mla."""
+    explicit = env.ffi_library()
+    if explicit:
+        return explicit
+    try:
+        spec = importlib.util.find_spec(LIBRARY_MODULE)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.origin else None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    path = library_path()
+    if path is None or not os.path.exists(path):
+        raise RuntimeError(
+            "jax_mla's FFI launcher library is not built (expected the extension "
+            f"{LIBRARY_MODULE}, or a path in JAX_MLA_FFI_LIBRARY): reinstall with "
+            "`pip install -e .` (it compiles ffi/triton_launch.cc with the system C++ compiler)")
+    return ctypes.CDLL(path)
+
+
+def _capsule(symbol: str):
+    return jax.ffi.pycapsule(getattr(_library(), symbol))
+
+
+_REGISTER_LOCK = threading.Lock()
+_registered: set[str] = set()
+
+
+def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
+    """Register the handlers with XLA for ``platforms`` (idempotent; no GPU needed).
+
+    ``CUDA`` and ``ROCM`` get the launcher (its initialize and execute stages); ``cpu`` gets the
+    twin :data:`PACK_TARGET_NAME`, which decodes the same attributes and reports how the
+    parameters were packed, for tests.
+    """
+    with _REGISTER_LOCK:
+        for platform in platforms:
+            if platform in _registered:
+                continue
+            if platform == "cpu":
+                jax.ffi.register_ffi_target(PACK_TARGET_NAME, _capsule("JaxMlaTritonPackCpu"),
+                                            platform="cpu")
+            else:
+                suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
+                jax.ffi.register_ffi_target(
+                    TARGET_NAME,
+                    {"initialize": _capsule(f"JaxMlaTritonInitialize{suffix}"),
+                     "execute": _capsule(f"JaxMlaTritonExecute{suffix}")},
+                    platform=platform)
+            _registered.add(platform)
+
+
+def driver_error(platform: str) -> str | None:
+    """Why the handlers cannot reach ``platform``'s driver (``"cuda"`` or ``"rocm"``) in this
+    process, as they would report it at their first call; None when they can."""
+    buf = ctypes.create_string_buffer(1024)
+    n = _library().JaxMlaTritonDriverError(int(platform == "rocm"), buf, len(buf))
+    return buf.value.decode() if n else None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native launcher cannot be used in this process (None: it can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "the native Triton launcher needs triton (pip install 'jax_mla[cuda]')"
+    try:
+        _library()
+    except (RuntimeError, OSError) as e:
+        return str(e)
+    return None
+
+
+# --- compiling ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class KernelBinary:
+    """One kernel compiled for one target: everything its launch needs besides pointers.
+
+    Attributes:
+      name: the kernel's symbol in the binary.
+      target: ``"sm_90"``-style or ``"gfx942"``-style architecture it was compiled for.
+      binary: the cubin (CUDA) or hsaco (ROCm).
+      threads: threads per block (total warps x warp size; a warp-specialized Gluon kernel
+        counts all of its warps).
+      shared: dynamic shared memory in bytes.
+      params: names of the runtime (pointer) parameters, operands then results.
+      hidden_params: parameters Triton appended after them (its scratch pointers; null here).
+    """
+
+    name: str
+    target: str
+    binary: bytes
+    threads: int
+    shared: int
+    params: tuple[str, ...]
+    hidden_params: int
+
+    @property
+    def binary_hash(self) -> int:
+        """The module cache key of the handler: 63 bits of the binary's SHA-256."""
+        return int.from_bytes(hashlib.sha256(self.binary).digest()[:8], "little") >> 1
+
+
+def triton_target(target: Target):
+    """Triton's ``GPUTarget`` for a jax_mla :class:`Target`."""
+    from triton.backends.compiler import GPUTarget
+
+    if target.platform == "cuda":
+        arch = (target.arch or "sm_90").removeprefix("sm_").rstrip("a")
+        return GPUTarget("cuda", int(arch), 32)
+    if target.platform == "rocm":
+        if not target.arch:
+            raise ValueError(
+                "the native Triton launcher compiles for the device's architecture, and this "
+                "ROCm target names none: plan with Target('rocm', 'gfx942' or 'gfx950', ...)")
+        return GPUTarget("hip", target.arch, 64)
+    raise ValueError(f"the native Triton launcher runs on CUDA and ROCm, not {target.platform!r}")
+
+
+def pointer_type(dtype) -> str:
+    name = np.dtype(dtype).name
+    if name not in _POINTER_TYPES:
+        raise TypeError(f"the native Triton launcher has no pointer type for dtype {name}")
+    return _POINTER_TYPES[name]
+
+
+def specialization(kernel, pointer_dtypes, constexprs: dict) -> tuple[dict, dict, dict, tuple]:
+    """``(signature, constexprs, attrs, runtime parameter names)`` for a compile of ``kernel``.
+
+    ``pointer_dtypes``: the dtypes of the runtime parameters in order (operands, then results);
+    they fill the kernel's non-constexpr parameters. Every constexpr parameter takes its value
+    from ``constexprs`` or its default.
+    """
+    import inspect
+
+    dtypes = list(pointer_dtypes)
+    sig, consts, attrs, names = {}, {}, {}, []
+    for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+            if p.name in constexprs:
+                consts[p.name] = constexprs[p.name]
+            elif p.default is not inspect.Parameter.empty:
+                consts[p.name] = p.default
+            else:
+                raise TypeError(f"{kernel.__name__}: constexpr {p.name} has no value")
+            sig[p.name] = "constexpr"
+            continue
+        if not dtypes:
+            raise TypeError(f"{kernel.__name__}: parameter {p.name} has no array (the kernel "
+                            f"takes {len(names) + 1} or more, the launch gave {len(names)})")
+        sig[p.name] = pointer_type(dtypes.pop(0))
+        attrs[(i,)] = _ALIGN
+        names.append(p.name)
+    if dtypes:
+        raise TypeError(f"{kernel.__name__}: {len(names) + len(dtypes)} arrays for "
+                        f"{len(names)} runtime parameters")
+    unknown = sorted(set(constexprs) - set(consts))
+    if unknown:
+        raise TypeError(f"{kernel.__name__}: no constexpr parameter named {unknown}")
+    return sig, consts, attrs, tuple(names)
+
+
+def cache_dir() -> str:
+    """Where compiled kernels are kept: ``JAX_MLA_CACHE_DIR``, else ``~/.cache/jax_mla``."""
+    root = env.cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "jax_mla")
+    return os.path.join(root, "triton")
+
+
+def _cache_key(kernel, sig, consts, target, num_warps, num_stages) -> str:
+    import triton
+
+    parts = dict(format=CACHE_FORMAT, triton=triton.__version__, kernel=kernel.__name__,
+                 source=kernel.cache_key, signature=sig,
+                 constexprs={k: repr(v) for k, v in consts.items()},
+                 target=[target.backend, str(target.arch), target.warp_size],
+                 num_warps=num_warps, num_stages=num_stages)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+_MEMORY: dict[str, KernelBinary] = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def compile_kernel(kernel, pointer_dtypes, constexprs: dict, target: Target, *, num_warps: int,
+                   num_stages: int) -> KernelBinary:
+    """``kernel`` compiled for ``target`` (see :func:`specialization`), from the caches when
+    there. A constexpr ``WG_SPLIT=True`` on CUDA compiles through the warpgroup column split of
+    ``compiler.py``."""
+    if env.interpreter_enabled():
+        raise RuntimeError("the native Triton launcher compiles kernels: TRITON_INTERPRET must "
+                           "be unset before triton is imported")
+    tt_target = triton_target(target)
+    sig, consts, attrs, names = specialization(kernel, pointer_dtypes, constexprs)
+    key = _cache_key(kernel, sig, consts, tt_target, num_warps, num_stages)
+    with _COMPILE_LOCK:
+        if key in _MEMORY:
+            return _MEMORY[key]
+        kb = _read_cached(key)
+        if kb is None:
+            kb = _compile(kernel, sig, consts, attrs, names, tt_target, num_warps, num_stages)
+            _write_cached(key, kb)
+        _MEMORY[key] = kb
+        return kb
+
+
+def _compile(kernel, sig, consts, attrs, names, tt_target, num_warps, num_stages) -> KernelBinary:
+    import triton
+
+    if compiler.is_gluon(kernel):
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+        options = dict(num_warps=num_warps)
+    else:
+        from triton.compiler import ASTSource as Source
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+    src = Source(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    with _triton_cache():
+        cc = triton.compile(src, target=tt_target, options=options)
+        if tt_target.backend == "cuda" and consts.get("WG_SPLIT"):
+            text, rewrites = compiler.split_broadcast_wgmma(cc.asm["ttgir"])
+            if rewrites:
+                with tempfile.TemporaryDirectory() as d:
+                    path = os.path.join(d, f"{cc.metadata.name}.ttgir")
+                    with open(path, "w") as f:
+                        f.write(text)
+                    cc = triton.compile(path, target=tt_target, options=options)
+    md = cc.metadata
+    scratch = {k: getattr(md, k, 0) or 0 for k in ("global_scratch_size", "profile_scratch_size")}
+    if any(scratch.values()):
+        raise NotImplementedError(f"{md.name} needs Triton's scratch memory {scratch}, which "
+                                  "jax_mla's FFI handler does not allocate")
+    cluster = tuple(getattr(md, "cluster_dims", None) or (1, 1, 1))
+    if any(c != 1 for c in cluster) or getattr(md, "launch_cooperative_grid", False):
+        raise NotImplementedError(f"{md.name}: thread-block clusters and cooperative grids are "
+                                  "not launched by jax_mla's FFI handler")
+    binary = cc.asm["cubin" if tt_target.backend == "cuda" else "hsaco"]
+    total = count_llir_params(cc.asm["llir"], md.name)
+    if total < len(names):
+        raise RuntimeError(f"{md.name}: its LLVM IR has {total} parameters, fewer than the "
+                           f"{len(names)} arrays it takes")
+    arch = f"sm_{tt_target.arch}" if tt_target.backend == "cuda" else str(tt_target.arch)
+    limit = SHARED_LIMITS.get(arch)
+    if limit is not None and md.shared > limit:
+        raise ValueError(f"{md.name} compiled for {arch} needs {md.shared} bytes of shared "
+                         f"memory, more than the {limit} a block may have there: choose a "
+                         "smaller tile or fewer stages (TritonTuning / JAX_MLA_TRITON_*)")
+    return KernelBinary(name=md.name, target=arch, binary=bytes(binary),
+                        threads=md.num_warps * tt_target.warp_size, shared=int(md.shared),
+                        params=names, hidden_params=total - len(names))
+
+
+def count_llir_params(llir: str, name: str) -> int:
+    """How many parameters kernel ``name`` has in its LLVM IR (Triton's hidden ones included)."""
+    m = re.search(r"^define\b[^\n]*@" + re.escape(name) + r"\(", llir, re.M)
+    if m is None:
+        raise RuntimeError(f"kernel {name} is not defined in its LLVM IR")
+    depth, i, commas, empty = 1, m.end(), 0, True
+    while depth:
+        c = llir[i]
+        depth += c == "("
+        depth -= c == ")"
+        commas += c == "," and depth == 1
+        empty = empty and (c.isspace() or c == ")")
+        i += 1
+    return 0 if empty else commas + 1
+
+
+class _triton_cache:
+    """Triton's compile needs a cache directory; jax-triton's import sets ``TRITON_CACHE_DIR=""``
+    (no directory), so for the length of a compile an empty one points at ours."""
+
+    def __enter__(self):
+        self.saved = os.environ.get("TRITON_CACHE_DIR")
+        if self.saved is not None and not self.saved.strip():
+            path = os.path.join(cache_dir(), "triton-cache")
+            os.makedirs(path, exist_ok=True)
+            os.environ["TRITON_CACHE_DIR"] = path
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            os.environ["TRITON_CACHE_DIR"] = self.saved
+
+
+def _paths(key: str) -> tuple[str, str]:
+    base = os.path.join(cache_dir(), key[:2], key)
+    return base + ".bin", base + ".json"
+
+
+def _read_cached(key: str) -> KernelBinary | None:
+    bin_path, meta_path = _paths(key)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        with open(bin_path, "rb") as f:
+            binary = f.read()
+    except (OSError, ValueError):
+        return None
+    if hashlib.sha256(binary).hexdigest() != meta.get("sha256"):
+        return None  # a torn or foreign file: compile again
+    return KernelBinary(name=meta["name"], target=meta["target"], binary=binary,
+                        threads=meta["threads"], shared=meta["shared"],
+                        params=tuple(meta["params"]), hidden_params=meta["hidden_params"])
+
+
+def _write_cached(key: str, kb: KernelBinary) -> None:
+    bin_path, meta_path = _paths(key)
+    meta = dict(name=kb.name, target=kb.target, threads=kb.threads, shared=kb.shared,
+                params=list(kb.params), hidden_params=kb.hidden_params,
+                sha256=hashlib.sha256(kb.binary).hexdigest())
+    try:
+        os.makedirs(os.path.dirname(bin_path), exist_ok=True)
+        for path, data, mode in ((bin_path, kb.binary, "wb"),
+                                 (meta_path, json.dumps(meta), "w")):
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+            with os.fdopen(fd, mode) as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+    except OSError as e:  # a read-only home: the in-memory cache still holds it
+        log.warning("jax_mla: cannot cache a compiled kernel in %s (%s)", cache_dir(), e)
+
+
+# --- launching ------------------------------------------------------------------------------
+
+_XLA_PLATFORMS = {"cuda": "CUDA", "rocm": "ROCM"}
+
+
+def check_device(target: Target) -> None:
+    """A clear error when this process has a device of ``target``'s platform of another
+    architecture (the binary would not load there). Lowering for a platform this process has no
+    device of (ahead of time, on a CPU host) is not checked."""
+    from jax_mla.problem import detect_target
+
+    here = detect_target(target.platform)
+    try:
+        present = bool(jax.devices(target.platform))
+    except RuntimeError:
+        present = False
+    if present and here.arch and target.arch and here.arch != target.arch:
+        raise ValueError(f"the plan's target is {target.arch} but this process's "
+                         f"{target.platform} device is {here.arch}: kernels compiled for one do "
+                         "not load on the other; plan for the device the step runs on")
+
+
+def launch_attributes(kb: KernelBinary, grid) -> dict:
+    """The custom call's static attributes for launching ``kb`` on ``grid``."""
+    grid = tuple(int(g) for g in grid)
+    if not 1 <= len(grid) <= 3 or any(g < 0 or g >= 2**31 for g in grid):
+        raise ValueError(f"grid {grid} must be 1 to 3 non-negative 32-bit sizes")
+    gx, gy, gz = grid + (1,) * (3 - len(grid))
+    i32 = np.int32
+    return dict(kernel_name=kb.name, binary=np.frombuffer(kb.binary, np.uint8),
+                binary_hash=np.int64(kb.binary_hash), grid_x=i32(gx), grid_y=i32(gy),
+                grid_z=i32(gz), block_threads=i32(kb.threads), shared_bytes=i32(kb.shared),
+                hidden_params=i32(kb.hidden_params), target=kb.target)
+
+
+def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_aliases=None,
+           num_warps=4, num_stages=2, **constexprs):
+    """``kernel[grid](*arrays, *outs, **constexprs)`` as one FFI custom call; the outputs."""
+    for i, a in enumerate(arrays):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"{kernel.__name__}: argument {i} is {type(a).__name__}; the native "
+                            "launcher takes arrays only (pass scalars as constexpr keywords)")
+    out_shapes = tuple(out_shapes)
+    check_device(target)
+    register((_XLA_PLATFORMS[target.platform],))
+    dtypes = [a.dtype for a in arrays] + [s.dtype for s in out_shapes]
+    kb = compile_kernel(kernel, dtypes, constexprs, target, num_warps=num_warps,
+                        num_stages=num_stages)
+    call = jax.ffi.ffi_call(TARGET_NAME, out_shapes,
+                            input_output_aliases=dict(input_output_aliases or {}))
+    outs = call(*arrays, **launch_attributes(kb, grid))
+    return tuple(outs)

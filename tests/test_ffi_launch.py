@@ -1,0 +1,414 @@
+"""The native launcher (``ffi/triton_launch.cc``, ``jax_mla/backends/triton/ffi_launch.py``).
+
+On a CPU host: the handler library builds, loads and registers for CUDA, ROCm and the CPU twin;
+the twin decodes the same attributes and reports how the kernel's parameters are packed; kernels
+compile ahead of time for ``sm_90`` and ``gfx942`` (in a subprocess: this one runs Triton's
+interpreter) and a jitted decode step lowered for ``("cuda",)`` and ``("rocm",)`` holds only
+our typed FFI custom calls. Launches themselves need a GPU (``-m gpu``).
+"""
+
+import importlib.util
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_mla.backends.triton import TritonTuning, ffi_launch, launch
+from jax_mla.backends.triton.ffi_launch import KernelBinary
+from jax_mla.problem import Target
+
+from conftest import has_triton_cuda_backend, run_compiler_script
+
+HAS_LIBRARY = ffi_launch.unavailable_reason() is None
+needs_library = pytest.mark.skipif(not HAS_LIBRARY, reason=str(ffi_launch.unavailable_reason()))
+
+
+def _binary(hidden=2, name="k"):
+    return KernelBinary(name=name, target="sm_90", binary=b"\x7fELF" + os.urandom(300),
+                        threads=128, shared=2048, params=("a", "b", "c", "o1", "o2"),
+                        hidden_params=hidden)
+
+
+def test_the_package_builds_the_library():
+    # `pip install -e .` (README, .ci/run) compiles ffi/ with the system C++ compiler: a CPU CI
+    # machine has the library, so a missing one is a failed build, not a skip.
+    assert HAS_LIBRARY, ffi_launch.unavailable_reason()
+    assert os.path.isfile(ffi_launch.library_path())
+
+
+@needs_library
+def test_library_registers_for_cuda_rocm_and_the_cpu_twin():
+    ffi_launch.register()
+    ffi_launch.register()  # idempotent
+    assert {"CUDA", "ROCM", "cpu"} <= ffi_launch._registered
+
+
+@needs_library
+@pytest.mark.parametrize("platform,library,advice", [
+    ("cuda", "libcuda.so.1", "install the driver"), ("rocm", "libamdhip64.so", "install ROCm")])
+def test_a_missing_driver_is_named_with_what_to_install(platform, library, advice):
+    """What the handlers say at their first call when the driver library is absent (this CPU
+    host has neither). On a GPU host the driver opens and there is nothing to report."""
+    import ctypes.util
+
+    error = ffi_launch.driver_error(platform)
+    present = ctypes.util.find_library("cuda" if platform == "cuda" else "amdhip64")
+    if present:
+        assert error is None or "lacks" in error, error
+    else:
+        assert error and library in error and advice in error, error
+
+
+def test_a_missing_library_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_MLA_FFI_LIBRARY", str(tmp_path / "nowhere.so"))
+    ffi_launch._library.cache_clear()
+    try:
+        reason = ffi_launch.unavailable_reason()
+        assert "not built" in reason and "pip install" in reason
+        with pytest.raises(RuntimeError, match="JAX_MLA_FFI_LIBRARY"):
+            ffi_launch.register(("CUDA",)) if "CUDA" not in ffi_launch._registered else (
+                ffi_launch._library())
+    finally:
+        monkeypatch.delenv("JAX_MLA_FFI_LIBRARY")
+        ffi_launch._library.cache_clear()
+
+
+@needs_library
+@pytest.mark.parametrize("hidden", [0, 2, 3])
+def test_parameters_are_operands_then_results_then_nulls(rng, hidden):
+    """The CPU twin decodes the launch attributes as the GPU handler does and reports, for each
+    kernel parameter, the operand (0..) or result (3..) whose buffer it points at (-1: null)."""
+    ffi_launch.register(("cpu",))
+    kb = _binary(hidden)
+    attrs = ffi_launch.launch_attributes(kb, (7, 3))
+    a = jnp.asarray(rng.standard_normal(5), jnp.float32)
+    b = jnp.asarray(rng.integers(0, 9, 4), jnp.int32)
+    c = jnp.asarray(rng.standard_normal(6), jnp.float32)
+    n = 3 + 2 + hidden
+    out_shapes = [jax.ShapeDtypeStruct((2, 2), jnp.bfloat16),
+                  jax.ShapeDtypeStruct(c.shape, c.dtype),  # aliases c
+                  jax.ShapeDtypeStruct((n,), jnp.int32)]
+
+    @jax.jit
+    def pack(a, b, c):
+        return jax.ffi.ffi_call(ffi_launch.PACK_TARGET_NAME, out_shapes,
+                                input_output_aliases={2: 1})(a, b, c, **attrs)
+
+    _, aliased, where = pack(a, b, c)
+    # The aliased result is c's buffer: the kernel sees the same pointer twice (jax-triton's rule).
+    assert where.tolist() == [0, 1, 2, 3, 2] + [-1] * hidden
+    np.testing.assert_array_equal(np.asarray(aliased), np.asarray(c))
+
+
+@needs_library
+def test_the_twin_rejects_a_wrong_report_buffer():
+    ffi_launch.register(("cpu",))
+    attrs = ffi_launch.launch_attributes(_binary(2), (1,))
+    # One operand and two nulls are three parameters; a report of four entries is refused.
+    call = jax.ffi.ffi_call(ffi_launch.PACK_TARGET_NAME, [jax.ShapeDtypeStruct((4,), jnp.int32)])
+    with pytest.raises(Exception, match="int32\\[number of params\\]"):
+        jax.block_until_ready(call(jnp.ones(2), **attrs))
+
+
+def test_launch_attributes_are_static_and_typed():
+    kb = _binary(2)
+    attrs = ffi_launch.launch_attributes(kb, [5])
+    assert (attrs["grid_x"], attrs["grid_y"], attrs["grid_z"]) == (5, 1, 1)
+    assert all(attrs[k].dtype == np.int32 for k in ("grid_x", "grid_y", "grid_z",
+                                                     "block_threads", "shared_bytes",
+                                                     "hidden_params"))
+    assert attrs["binary"].dtype == np.uint8 and attrs["binary"].tobytes() == kb.binary
+    assert attrs["binary_hash"].dtype == np.int64
+    assert 0 <= kb.binary_hash < 2**63 and kb.binary_hash == _copy(kb).binary_hash
+    assert kb.binary_hash != _binary(2).binary_hash  # another binary, another module
+    for bad in [(), (1, 2, 3, 4), (-1,), (2**31,)]:
+        with pytest.raises(ValueError, match="grid"):
+            ffi_launch.launch_attributes(kb, bad)
+
+
+def _copy(kb):
+    return KernelBinary(**{f: getattr(kb, f) for f in kb.__dataclass_fields__})
+
+
+def _reduce_kernel():
+    """The reduce kernel as Triton's compiler sees it (this process runs the interpreter, whose
+    ``@triton.jit`` objects have no parameter list)."""
+    from triton.runtime.jit import JITFunction
+
+    from jax_mla.kernels.triton import decode
+
+    return JITFunction(getattr(decode.mla_reduce_affine_kernel, "fn",
+                               decode.mla_reduce_affine_kernel))
+
+
+def test_specialization_follows_the_kernels_parameters():
+    k = _reduce_kernel()
+    runtime = [p.name for p in k.params if not p.is_constexpr]
+    need = {p.name: 2 for p in k.params if p.is_constexpr}
+    dtypes = [jnp.float32] * len(runtime)
+    sig, values, attrs, names = ffi_launch.specialization(k, dtypes, need)
+    assert names == tuple(runtime) and values == need
+    assert [sig[n] for n in runtime] == ["*fp32"] * len(runtime)
+    assert all(sig[n] == "constexpr" for n in need)
+    index = {p.name: i for i, p in enumerate(k.params)}
+    assert set(attrs) == {(index[n],) for n in runtime}  # every pointer 16-byte aligned
+    with pytest.raises(TypeError, match="has no array"):
+        ffi_launch.specialization(k, dtypes[:-1], need)
+    with pytest.raises(TypeError, match="runtime parameters"):
+        ffi_launch.specialization(k, dtypes + [jnp.int32], need)
+    with pytest.raises(TypeError, match="no constexpr parameter named"):
+        ffi_launch.specialization(k, dtypes, need | {"NOT_A_PARAM": 1})
+    missing = dict(need)
+    missing.pop(next(iter(missing)))
+    with pytest.raises(TypeError, match="has no value"):
+        ffi_launch.specialization(k, dtypes, missing)
+
+
+@pytest.mark.parametrize("dtype,tt", [
+    (jnp.bfloat16, "*bf16"), (jnp.float16, "*fp16"), (jnp.float32, "*fp32"), (jnp.int32, "*i32"),
+    (jnp.float8_e4m3fn, "*fp8e4nv"), (jnp.float8_e4m3fnuz, "*fp8e4b8"), (jnp.uint8, "*u8")])
+def test_pointer_types(dtype, tt):
+    assert ffi_launch.pointer_type(dtype) == tt
+
+
+def test_unsupported_dtype_and_targets_are_named():
+    with pytest.raises(TypeError, match="complex64"):
+        ffi_launch.pointer_type(jnp.complex64)
+    with pytest.raises(ValueError, match="gfx942"):
+        ffi_launch.triton_target(Target("rocm", None, 304))
+    with pytest.raises(ValueError, match="CUDA and ROCm"):
+        ffi_launch.triton_target(Target("cpu"))
+    t = ffi_launch.triton_target(Target("cuda", "sm_90", 132))
+    assert (t.backend, t.arch, t.warp_size) == ("cuda", 90, 32)
+    t = ffi_launch.triton_target(Target("rocm", "gfx950", 256))
+    assert (t.backend, t.arch, t.warp_size) == ("hip", "gfx950", 64)
+
+
+def test_scalars_are_refused_with_the_rule(monkeypatch):
+    with pytest.raises(TypeError, match="constexpr keywords"):
+        ffi_launch.launch(_reduce_kernel(), (jnp.ones(2), 3), grid=(1,), out_shapes=[],
+                          target=Target("cuda", "sm_90", 132))
+
+
+def test_compiling_under_the_interpreter_is_a_clear_error():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("this process compiles for real")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        ffi_launch.compile_kernel(_reduce_kernel(), [], {}, Target("cuda", "sm_90", 132),
+                                  num_warps=4, num_stages=1)
+
+
+def test_disk_cache_round_trip_and_torn_files(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_MLA_CACHE_DIR", str(tmp_path))
+    kb = _binary(2, name="cached")
+    key = "ab" + "0" * 62
+    assert ffi_launch._read_cached(key) is None
+    ffi_launch._write_cached(key, kb)
+    assert ffi_launch._read_cached(key) == kb
+    bin_path, _ = ffi_launch._paths(key)
+    assert bin_path.startswith(str(tmp_path))
+    with open(bin_path, "r+b") as f:  # a torn or foreign file is compiled again, never loaded
+        f.write(b"junk")
+    assert ffi_launch._read_cached(key) is None
+
+
+def test_cache_key_names_triton_version_target_and_specialization(monkeypatch):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    k = types.SimpleNamespace(__name__="k", cache_key="source-hash")
+    sig, consts = {"a": "*fp32"}, {"H": 16}
+    key = ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 90, 32), 4, 1)
+    assert key == ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 90, 32), 4, 1)
+    others = [ffi_launch._cache_key(k, sig, consts, GPUTarget("hip", "gfx942", 64), 4, 1),
+              ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 100, 32), 4, 1),
+              ffi_launch._cache_key(k, {"a": "*bf16"}, consts, GPUTarget("cuda", 90, 32), 4, 1),
+              ffi_launch._cache_key(k, sig, {"H": 32}, GPUTarget("cuda", 90, 32), 4, 1),
+              ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 90, 32), 8, 1)]
+    k2 = types.SimpleNamespace(__name__="k", cache_key="edited-source-hash")
+    others.append(ffi_launch._cache_key(k2, sig, consts, GPUTarget("cuda", 90, 32), 4, 1))
+    monkeypatch.setattr(triton, "__version__", "0.0.0-other")
+    others.append(ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 90, 32), 4, 1))
+    assert len({key, *others}) == len(others) + 1
+
+
+def test_llir_parameter_count():
+    ir = ('define ptx_kernel void @k(ptr addrspace(1) %0, ptr addrspace(1) %1, '
+          'ptr addrspace(1) readnone captures(none) %2, ptr addrspace(1) %3) #0 {\n}\n'
+          'define void @none() {\n}\n')
+    assert ffi_launch.count_llir_params(ir, "k") == 4
+    assert ffi_launch.count_llir_params(ir, "none") == 0
+    with pytest.raises(RuntimeError, match="not defined"):
+        ffi_launch.count_llir_params(ir, "missing")
+
+
+def test_launcher_choice(monkeypatch):
+    cpu, cuda = Target("cpu"), Target("cuda", "sm_90", 132)
+    assert launch.resolve_launcher(cpu, "ffi") == "interpret"
+    assert launch.resolve_launcher(cuda, "ffi") == "ffi"
+    assert launch.resolve_launcher(cuda, "jax_triton") == "jax_triton"
+    monkeypatch.setattr(launch, "_jax_triton_installed", lambda: False)
+    assert launch.resolve_launcher(cuda) == "ffi"
+    monkeypatch.setattr(launch, "_jax_triton_installed", lambda: True)
+    assert launch.resolve_launcher(cuda) == "jax_triton"
+    monkeypatch.setenv("JAX_MLA_TRITON_LAUNCHER", "ffi")
+    assert launch.resolve_launcher(cuda) == "ffi"
+    assert TritonTuning.from_env().launcher == "ffi"
+    monkeypatch.setenv("JAX_MLA_TRITON_LAUNCHER", "pallas")
+    with pytest.raises(ValueError, match="JAX_MLA_TRITON_LAUNCHER"):
+        launch.resolve_launcher(cuda)
+    with pytest.raises(ValueError, match="launcher"):
+        TritonTuning(launcher="pallas")
+
+
+def test_the_plan_carries_its_launcher():
+    import jax_mla
+
+    md = jax_mla.build_decode_metadata(
+        np.zeros((1, 2), np.int32), np.array([5], np.int32), page_size=16, num_heads=16,
+        q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, backend="triton", target="cuda",
+        tuning=TritonTuning(launcher="ffi"))
+    assert md.plan.launcher == "ffi"
+    md = jax_mla.build_decode_metadata(
+        np.zeros((1, 2), np.int32), np.array([5], np.int32), page_size=16, num_heads=16,
+        q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, backend="triton", target="cpu")
+    assert md.plan.launcher == "interpret"
+
+
+LOWER = r"""
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+import jax_mla
+from jax_mla.backends.triton import TritonTuning, ffi_launch
+from jax_mla.problem import Target
+
+rng = np.random.default_rng()
+B, PS, MP = 3, 64, 4
+res = {}
+for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
+                         ("rocm", Target("rocm", "gfx942", 304))):
+    for heads in (16, 128):
+        bt = jnp.asarray(rng.permutation(B * MP).reshape(B, MP).astype(np.int32))
+        lens = jnp.asarray(rng.integers(1, MP * PS, B), jnp.int32)
+        q = jnp.ones((B, heads, 576), jnp.bfloat16)
+        cache = jnp.ones((B * MP, PS, 576), jnp.bfloat16)
+
+        def step(q, cache, bt, lens):
+            md = jax_mla.build_decode_metadata(
+                bt, lens, page_size=PS, num_heads=heads, q=q, kv_cache=cache, backend="triton",
+                target=target, tuning=TritonTuning(launcher="ffi", planner="kernel"))
+            return jax_mla.mla_attention(q, cache, md, scale=0.1, backend="triton")
+
+        lowered = jax.jit(step).trace(q, cache, bt, lens).lower(lowering_platforms=(platform,))
+        text = lowered.as_text()
+        hlo = lowered.compiler_ir("hlo").as_hlo_text()
+        calls = [l for l in text.splitlines() if "custom_call" in l]
+        res[f"{platform}/{heads}"] = dict(
+            targets=[l.split("@")[1].split("(")[0] for l in calls],
+            kernels=[re.search(r'kernel_name = "(\w+)"', l).group(1) for l in calls],
+            elf=[bool(re.search(r'binary = dense<"0x7F454C46', l)) for l in calls],
+            typed=[l.split("custom_call_target=")[1].split(",")[0] + " " + (
+                "typed" if "api_version=API_VERSION_TYPED_FFI" in l else "legacy")
+                for l in hlo.splitlines() if "custom-call(" in l],
+            hidden=[int(re.search(r"hidden_params = (\d+)", l).group(1)) for l in calls],
+            lowered_target=[re.search(r'target = "(\w+)"', l).group(1) for l in calls])
+
+# PTX's own parameter count agrees with the one read from the LLVM IR (CUDA).
+from jax_mla.kernels.triton import decode
+k = decode.mla_reduce_affine_kernel
+consts = dict(Q=1, H=16, L=512, BLOCK_H=16, OFF64=False, L2_HINTS=True, BLOCK_S=4, BLOCK_L=128)
+dtypes = [jnp.float32, jnp.float32, jnp.int32, jnp.int32, jnp.bfloat16, jnp.float32,
+          jnp.bfloat16, jnp.float32]
+kb = ffi_launch.compile_kernel(k, dtypes, consts, Target("cuda", "sm_90", 132), num_warps=4,
+                               num_stages=1)
+ffi_launch._MEMORY.clear()
+again = ffi_launch.compile_kernel(k, dtypes, consts, Target("cuda", "sm_90", 132), num_warps=4,
+                                  num_stages=1)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sig, c, attrs, names = ffi_launch.specialization(k, dtypes, consts)
+cc = triton.compile(ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs),
+                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+entry = cc.asm["ptx"].split(".entry")[1].split(")")[0]
+res["reduce"] = dict(params=len(kb.params), hidden=kb.hidden_params,
+                     ptx_params=entry.count(".param"), from_disk=again == kb,
+                     threads=kb.threads)
+
+# Too much shared memory for the target: a clear error at trace time.
+try:
+    tun = TritonTuning(launcher="ffi", num_stages=3)
+    md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=16, q=q[:, :16],
+                                       kv_cache=cache, backend="triton",
+                                       target=Target("rocm", "gfx942", 304), tuning=tun)
+    jax.jit(lambda q, c: jax_mla.mla_attention(q, c, md, scale=0.1, backend="triton")).trace(
+        q[:, :16], cache).lower(lowering_platforms=("rocm",))
+    res["shared_error"] = None
+except ValueError as e:
+    res["shared_error"] = str(e)
+print(json.dumps(res))
+"""
+
+
+@needs_library
+@pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.amd") is None,
+                    reason="triton without its AMD backend")
+def test_a_decode_step_lowers_to_our_ffi_calls_only_for_cuda_and_rocm(tmp_path):
+    """Planning kernel, decode kernel (Triton or the Gluon sm_90 one) and reduce: three typed FFI
+    custom calls (api_version 4) carrying ELF binaries, for both GPU platforms, compiled on a
+    host with no GPU; no jax-triton call and no Python callback."""
+    script = f"import os; os.environ['JAX_MLA_CACHE_DIR'] = {str(tmp_path)!r}\n" + LOWER
+    r = run_compiler_script(script, timeout=900)
+    for key in ("cuda/16", "cuda/128", "rocm/16", "rocm/128"):
+        got = r[key]
+        assert got["targets"] == ["jax_mla_triton"] * 3, (key, got)
+        assert got["kernels"][0] == "mla_plan_kernel" and got["kernels"][2].startswith(
+            "mla_reduce"), (key, got)
+        assert got["kernels"][1] == ("mla_decode_sm90_kernel" if key == "cuda/128"
+                                     else "mla_decode_kernel"), (key, got)
+        assert all(got["elf"]), (key, got)
+        assert got["typed"] == ['"jax_mla_triton" typed'] * 3, (key, got)
+        assert got["hidden"] == [2, 2, 2], (key, got)  # Triton's two scratch pointers
+        assert set(got["lowered_target"]) == {"sm_90" if key[0] == "c" else "gfx942"}
+    red = r["reduce"]
+    assert red["params"] + red["hidden"] == red["ptx_params"], red
+    assert red["from_disk"] and red["threads"] == 128, red
+    assert r["shared_error"] and "gfx942" in r["shared_error"] and "65536" in r[
+        "shared_error"], r["shared_error"]
+    assert any(p.suffix == ".bin" for p in tmp_path.rglob("*")), "nothing cached on disk"
+
+
+@pytest.mark.gpu
+def test_ffi_and_jax_triton_launchers_agree_on_the_gpu(rng):
+    """On a GPU: the same decode through both launchers, bit for bit, and close to the oracle."""
+    import jax_mla
+    from jax_mla.problem import current_platform
+
+    from conftest import make_case
+    from oracle import mla_decode, rel_err
+
+    if current_platform() not in ("cuda", "rocm") or not HAS_LIBRARY:
+        pytest.skip("needs a GPU and the launcher library")
+    c = make_case(rng, seq_lens=[1000, 1, 333, 64], qlen=1, num_heads=16, page_size=64)
+    q, cache = jnp.asarray(c.q, jnp.bfloat16), jnp.asarray(c.cache, jnp.bfloat16)
+    ref, _ = mla_decode(np.asarray(q, np.float32), np.asarray(cache, np.float32),
+                        c.block_table, c.seq_lens, qlen=1, page_size=64, scale=c.scale,
+                        kv_lora_rank=c.kv_lora_rank)
+    outs = {}
+    for launcher in ("ffi", "jax_triton"):
+        if launcher == "jax_triton" and importlib.util.find_spec("jax_triton") is None:
+            continue
+        md = jax_mla.build_decode_metadata(
+            c.block_table, c.seq_lens, page_size=64, q=q, kv_cache=cache, backend="triton",
+            tuning=TritonTuning(launcher=launcher))
+        assert md.plan.launcher == launcher
+        outs[launcher] = np.asarray(jax.jit(
+            lambda q, k, md: jax_mla.mla_attention(q, k, md, scale=c.scale))(q, cache, md),
+            np.float64)
+        assert rel_err(outs[launcher], ref) < 1e-2, launcher
+    if len(outs) == 2:
+        np.testing.assert_array_equal(outs["ffi"], outs["jax_triton"])
