@@ -256,6 +256,14 @@ ffi::Error Initialize(bool hip, void* stream, int32_t device, const Launch& l) {
   return function.has_error() ? function.error() : ffi::Error::Success();
 }
 
+// The parameters and bindings every launch handler shares: XLA's stream and device ordinal,
+// the buffers, then the launch attributes.
+#define JAX_MLA_LAUNCH_ATTR_PARAMS                                                      \
+  std::string_view name, ffi::Span<const uint8_t> binary, int64_t hash, int32_t gx,      \
+      int32_t gy, int32_t gz, int32_t threads, int32_t shared, int32_t hidden,           \
+      std::string_view target
+#define JAX_MLA_LAUNCH_ATTR_ARGS name, binary, hash, gx, gy, gz, threads, shared, hidden, target
+
 template <typename Binding>
 auto BindLaunchAttrs(Binding binding) {
   return std::move(binding)
@@ -271,16 +279,34 @@ auto BindLaunchAttrs(Binding binding) {
       .template Attr<std::string_view>("target");
 }
 
-Launch MakeLaunch(std::string_view name, ffi::Span<const uint8_t> binary, int64_t hash,
-                  int32_t gx, int32_t gy, int32_t gz, int32_t threads, int32_t shared,
-                  int32_t hidden, std::string_view target) {
+template <typename Binding>
+auto BindLaunch(Binding binding) {
+  return BindLaunchAttrs(std::move(binding)
+                             .template Ctx<ffi::PlatformStream<void*>>()
+                             .template Ctx<ffi::DeviceOrdinal>()
+                             .RemainingArgs()
+                             .RemainingRets());
+}
+
+Launch MakeLaunch(JAX_MLA_LAUNCH_ATTR_PARAMS) {
   return Launch{name, binary, hash, {gx, gy, gz}, threads, shared, hidden, target};
+}
+
+// The two stages, for CUDA (kHip false) and ROCm (kHip true).
+template <bool kHip>
+ffi::Error InitializeStage(void* stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
+                           JAX_MLA_LAUNCH_ATTR_PARAMS) {
+  return Initialize(kHip, stream, device, MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
+}
+
+template <bool kHip>
+ffi::Error ExecuteStage(void* stream, int32_t device, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets, JAX_MLA_LAUNCH_ATTR_PARAMS) {
+  return Execute(kHip, stream, device, args, rets, MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
 }
 
 }  // namespace
 }  // namespace jax_mla
-
-using jax_mla::MakeLaunch;
 
 // The handlers are the library's only exported symbols (it is built with -fvisibility=hidden).
 #define JAX_MLA_EXPORT_HANDLER(name) \
@@ -291,65 +317,16 @@ JAX_MLA_EXPORT_HANDLER(JaxMlaTritonInitializeRocm)
 JAX_MLA_EXPORT_HANDLER(JaxMlaTritonExecuteRocm)
 JAX_MLA_EXPORT_HANDLER(JaxMlaTritonPackCpu)
 
-#define JAX_MLA_LAUNCH_ATTR_PARAMS                                                      \
-  std::string_view name, ffi::Span<const uint8_t> binary, int64_t hash, int32_t gx,      \
-      int32_t gy, int32_t gz, int32_t threads, int32_t shared, int32_t hidden,           \
-      std::string_view target
-#define JAX_MLA_LAUNCH_ATTR_ARGS name, binary, hash, gx, gy, gz, threads, shared, hidden, target
-
-// CUDA.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMlaTritonInitializeCuda,
-    [](void* stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
-       JAX_MLA_LAUNCH_ATTR_PARAMS) {
-      return jax_mla::Initialize(false, stream, device, MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
-    },
-    jax_mla::BindLaunchAttrs(ffi::Ffi::BindInitialize()
-                                 .Ctx<ffi::PlatformStream<void*>>()
-                                 .Ctx<ffi::DeviceOrdinal>()
-                                 .RemainingArgs()
-                                 .RemainingRets()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMlaTritonExecuteCuda,
-    [](void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
-       JAX_MLA_LAUNCH_ATTR_PARAMS) {
-      return jax_mla::Execute(false, stream, device, args, rets,
-                              MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
-    },
-    jax_mla::BindLaunchAttrs(ffi::Ffi::Bind()
-                                 .Ctx<ffi::PlatformStream<void*>>()
-                                 .Ctx<ffi::DeviceOrdinal>()
-                                 .RemainingArgs()
-                                 .RemainingRets()),
-    {ffi::Traits::kCmdBufferCompatible});
-
-// ROCm.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMlaTritonInitializeRocm,
-    [](void* stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
-       JAX_MLA_LAUNCH_ATTR_PARAMS) {
-      return jax_mla::Initialize(true, stream, device, MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
-    },
-    jax_mla::BindLaunchAttrs(ffi::Ffi::BindInitialize()
-                                 .Ctx<ffi::PlatformStream<void*>>()
-                                 .Ctx<ffi::DeviceOrdinal>()
-                                 .RemainingArgs()
-                                 .RemainingRets()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMlaTritonExecuteRocm,
-    [](void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
-       JAX_MLA_LAUNCH_ATTR_PARAMS) {
-      return jax_mla::Execute(true, stream, device, args, rets,
-                              MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
-    },
-    jax_mla::BindLaunchAttrs(ffi::Ffi::Bind()
-                                 .Ctx<ffi::PlatformStream<void*>>()
-                                 .Ctx<ffi::DeviceOrdinal>()
-                                 .RemainingArgs()
-                                 .RemainingRets()),
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonInitializeCuda, jax_mla::InitializeStage<false>,
+                              jax_mla::BindLaunch(ffi::Ffi::BindInitialize()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonExecuteCuda, jax_mla::ExecuteStage<false>,
+                              jax_mla::BindLaunch(ffi::Ffi::Bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonInitializeRocm, jax_mla::InitializeStage<true>,
+                              jax_mla::BindLaunch(ffi::Ffi::BindInitialize()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonExecuteRocm, jax_mla::ExecuteStage<true>,
+                              jax_mla::BindLaunch(ffi::Ffi::Bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 // Why the CUDA (hip == 0) or ROCm (hip != 0) driver cannot be used, copied into `buffer`
 // ("" when it can): what the handlers return at their first call. For tests and diagnostics.
@@ -370,7 +347,7 @@ extern "C" __attribute__((visibility("default"))) int JaxMlaTritonDriverError(in
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMlaTritonPackCpu,
     [](ffi::RemainingArgs args, ffi::RemainingRets rets, JAX_MLA_LAUNCH_ATTR_PARAMS) {
-      jax_mla::Launch l = MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS);
+      jax_mla::Launch l = jax_mla::MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS);
       if (rets.size() == 0) return ffi::Error::InvalidArgument("no result to write into");
       auto ptrs = jax_mla::KernelPointers(args, rets, rets.size() - 1, l.hidden_params);
       if (ptrs.has_error()) return ptrs.error();
