@@ -316,6 +316,21 @@ for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
             hidden=[int(re.search(r"hidden_params = (\d+)", l).group(1)) for l in calls],
             lowered_target=[re.search(r'target = "(\w+)"', l).group(1) for l in calls])
 
+# The 64-row Triton tile on Hopper with and without the warpgroup split (compiler.py): the
+# rewritten TTGIR compiles into another binary.
+hashes = []
+for split in (True, False):
+    tun = TritonTuning(launcher="ffi", sm90_kernel=False, wg_split=split)
+    q128 = jnp.ones((B, 128, 576), jnp.bfloat16)
+    md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=128, q=q128,
+                                       kv_cache=cache, backend="triton",
+                                       target=Target("cuda", "sm_90", 132), tuning=tun)
+    assert md.plan.kernel.wg_split == split
+    text = jax.jit(lambda q, c: jax_mla.mla_attention(q, c, md, scale=0.1)).trace(
+        q128, cache).lower(lowering_platforms=("cuda",)).as_text()
+    hashes.append(re.findall(r'binary_hash = (-?\d+).*kernel_name = "mla_decode_kernel"', text))
+res["wg_split_hashes"] = hashes
+
 # PTX's own parameter count agrees with the one read from the LLVM IR (CUDA).
 from jax_mla.kernels.triton import decode
 k = decode.mla_reduce_affine_kernel
@@ -374,6 +389,8 @@ def test_a_decode_step_lowers_to_our_ffi_calls_only_for_cuda_and_rocm(tmp_path):
         assert got["typed"] == ['"jax_mla_triton" typed'] * 3, (key, got)
         assert got["hidden"] == [2, 2, 2], (key, got)  # Triton's two scratch pointers
         assert set(got["lowered_target"]) == {"sm_90" if key[0] == "c" else "gfx942"}
+    split, plain = r["wg_split_hashes"]
+    assert len(split) == len(plain) == 1 and split != plain, r["wg_split_hashes"]
     red = r["reduce"]
     assert red["params"] + red["hidden"] == red["ptx_params"], red
     assert red["from_disk"] and red["threads"] == 128, red

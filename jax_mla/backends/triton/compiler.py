@@ -21,8 +21,8 @@ rewritten text is parsed back and compiled as usual.
 
 It is applied only to kernels launched with the constexpr ``WG_SPLIT=True`` (the decode kernel at
 64 rows and 8 warps on Hopper; see ``plan.py``), through a wrapper around jax-triton's kernel
-compile (``install``). If the rewrite finds nothing to do, or the result does not parse,
-the kernel is compiled unchanged.
+compile (``install``), or by the FFI launcher's own compile (``ffi_launch.py``). If the rewrite
+finds nothing to do, or the result does not parse, the kernel is compiled unchanged.
 """
 
 from __future__ import annotations
