@@ -262,6 +262,10 @@ def test_launcher_choice(monkeypatch):
         launch.resolve_launcher(cuda)
     with pytest.raises(ValueError, match="launcher"):
         TritonTuning(launcher="pallas")
+    monkeypatch.setattr(launch, "_jax_triton_installed", lambda: False)
+    with pytest.raises(RuntimeError, match="needs jax-triton"):
+        launch.triton_call(_reduce_kernel(), jnp.ones(2), grid=(1,), out_shapes=[],
+                           target=cuda, launcher="jax_triton")
 
 
 def test_the_plan_carries_its_launcher():

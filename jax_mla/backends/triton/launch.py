@@ -104,6 +104,9 @@ def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
                                  input_output_aliases=aliases, num_warps=num_warps,
                                  num_stages=num_stages, **constexprs)
     if launcher == "jax_triton":
+        if not _jax_triton_installed():
+            raise RuntimeError("launcher='jax_triton' needs jax-triton (pip install "
+                               "'jax_mla[cuda]'); launcher='ffi' needs none")
         import jax_triton as jt
 
         compiler.install()  # WG_SPLIT and @gluon.jit kernels: see compiler.py
