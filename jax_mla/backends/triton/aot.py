@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import re
-import tempfile
 
 import jax.numpy as jnp
 
 from jax_mla import env
-from jax_mla.backends.triton.compiler import split_broadcast_wgmma
+from jax_mla.backends.triton.compiler import compile_for_target
 from jax_mla.backends.triton.decode import decode_constexprs, sm90_constexprs
 from jax_mla.backends.triton.plan import kernel_config
 from jax_mla.backends.triton.prefill import LOG2E, PrefillTritonConfig, head_dim_split, pick_config
@@ -60,9 +58,7 @@ def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_spl
     text. Returns ``{"shared": bytes, "rewrites": int, "wgmma": {shape: count in the PTX},
     "ttgir": str, "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
     """
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     _check_compiler()
     cfg = dataclasses.replace(kernel_config(num_heads, qlen, page_size, "cuda", sm90=False),
@@ -70,18 +66,9 @@ def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_spl
     consts = decode_constexprs(cfg, num_heads=num_heads, qlen=qlen, page_size=page_size,
                                max_pages=64, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
                                scale=1 / 192 ** 0.5)
-    src = ASTSource(fn=_decode_kernels().mla_decode_kernel, **_bf16_signature(consts))
-    target = GPUTarget("cuda", arch, 32)
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cc = triton.compile(src, target=target, options=options)
-    rewrites = 0
-    if wg_split:
-        text, rewrites = split_broadcast_wgmma(cc.asm["ttgir"])
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "mla_decode_kernel.ttgir")
-            with open(path, "w") as f:
-                f.write(text)
-            cc = triton.compile(path, target=target, options=options)
+    cc, rewrites = compile_for_target(
+        _decode_kernels().mla_decode_kernel, **_bf16_signature(consts),
+        target=GPUTarget("cuda", arch, 32), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dict(shared=cc.metadata.shared, rewrites=rewrites, wgmma=wgmma_shapes(cc.asm["ptx"]),
                 ttgir=cc.asm["ttgir"], ptx=cc.asm["ptx"], config=cfg)
 
@@ -93,9 +80,7 @@ def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
     Returns ``{"shared": bytes, "num_warps": total warps, "wgmma": {shape: count in the PTX},
     "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
     """
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from jax_mla.kernels.gluon import decode_sm90
 
@@ -105,9 +90,8 @@ def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
         raise ValueError(f"{num_heads} heads x Q={qlen} is not served by the sm_90 kernel")
     consts = sm90_constexprs(cfg, num_heads=num_heads, qlen=qlen, page_size=page_size,
                              max_pages=64, kv_lora_rank=512, rope_dim=64, scale=1 / 192 ** 0.5)
-    src = GluonASTSource(fn=decode_sm90.mla_decode_sm90_kernel, **_bf16_signature(consts))
-    cc = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                        options=dict(num_warps=cfg.num_warps))
+    cc, _ = compile_for_target(decode_sm90.mla_decode_sm90_kernel, **_bf16_signature(consts),
+                               target=GPUTarget("cuda", arch, 32), num_warps=cfg.num_warps)
     return dict(shared=cc.metadata.shared, num_warps=cc.metadata.num_warps,
                 wgmma=wgmma_shapes(cc.asm["ptx"]), ptx=cc.asm["ptx"], config=cfg)
 
@@ -122,9 +106,7 @@ def prefill_compile_report(dtype, dqk: int, dv: int, *, causal: bool = True,
     alignment that jax-triton assumes. Needs the real compiler, so not under TRITON_INTERPRET=1.
     """
     _check_compiler()
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from jax_mla.kernels.triton.prefill import prefill_fwd_kernel
 
@@ -138,10 +120,11 @@ def prefill_compile_report(dtype, dqk: int, dv: int, *, causal: bool = True,
                   D2=max(d2, 16), BLOCK_DV=bdv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   CAUSAL=bool(causal), UPCAST=False, IEEE=tt == "fp32")
     sig.update(dict.fromkeys(consts, "constexpr"))
-    src = ASTSource(fn=prefill_fwd_kernel, signature=sig, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
-    cc = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                        options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    cc, _ = compile_for_target(
+        prefill_fwd_kernel, signature=sig, constexprs=consts,
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))},
+        target=GPUTarget("cuda", arch, 32), num_warps=config.num_warps,
+        num_stages=config.num_stages)
     ttgir = cc.asm["ttgir"]
     return dict(shared=cc.metadata.shared, pipelined="async_copy_global_to_local" in ttgir,
                 ttgir=ttgir, ptx=cc.asm["ptx"], config=config)

@@ -21,8 +21,9 @@ rewritten text is parsed back and compiled as usual.
 
 It is applied only to kernels launched with the constexpr ``WG_SPLIT=True`` (the decode kernel at
 64 rows and 8 warps on Hopper; see ``plan.py``), through a wrapper around jax-triton's kernel
-compile (``install``), or by the FFI launcher's own compile (``ffi_launch.py``). If the rewrite
-finds nothing to do, or the result does not parse, the kernel is compiled unchanged.
+compile (``install``), or by the ahead-of-time compile of the FFI launcher and the compile
+reports (:func:`compile_for_target`). If the rewrite finds nothing to do, or the result does not
+parse, the kernel is compiled unchanged.
 """
 
 from __future__ import annotations
@@ -181,6 +182,42 @@ def _compile_gluon(compile_kernel, backend_init_func, platform, fn, *args, **kwa
             return compile_kernel(init, platform, fn, *args, **kwargs)
         finally:
             triton_lib.tc, triton_lib.code_gen, triton_lib.triton_kernel_call_lib = saved
+
+
+def compile_for_target(kernel, *, signature: dict, constexprs: dict, attrs: dict, target,
+                       num_warps: int, num_stages: int | None = None):
+    """``(compiled, rewrites)``: Triton's ahead-of-time compile of ``kernel`` for ``target`` (a
+    ``GPUTarget``), as the FFI launcher and the compile reports make it.
+
+    A ``@gluon.jit`` kernel compiles from its Gluon source (warps only; it has no stages). On
+    CUDA a kernel with the constexpr ``WG_SPLIT=True`` is compiled again from its TTGIR after
+    :func:`split_broadcast_wgmma`; ``rewrites`` counts the layouts split (0 when nothing was to
+    split, or the rewritten text did not compile and the kernel was kept unchanged).
+    """
+    import triton
+
+    if is_gluon(kernel):
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+        options = dict(num_warps=num_warps)
+    else:
+        from triton.compiler import ASTSource as Source
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+    src = Source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    cc = triton.compile(src, target=target, options=options)
+    if target.backend != "cuda" or not constexprs.get("WG_SPLIT"):
+        return cc, 0
+    text, rewrites = split_broadcast_wgmma(cc.asm["ttgir"])
+    if not rewrites:
+        return cc, 0
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"{cc.metadata.name}.ttgir")
+        with open(path, "w") as f:
+            f.write(text)
+        try:
+            return triton.compile(path, target=target, options=options), rewrites
+        except Exception as e:  # noqa: BLE001 - as rewrite_module: the split is skipped
+            log.warning("jax_mla: TTGIR warpgroup split skipped (%s)", e)
+            return cc, 0
 
 
 @functools.cache

@@ -275,28 +275,10 @@ def compile_kernel(kernel, pointer_dtypes, constexprs: dict, target: Target, *, 
 
 
 def _compile(kernel, sig, consts, attrs, names, tt_target, num_warps, num_stages) -> KernelBinary:
-    import triton
-
-    if compiler.is_gluon(kernel):
-        from triton.experimental.gluon._runtime import GluonASTSource as Source
-        options = dict(num_warps=num_warps)
-    else:
-        from triton.compiler import ASTSource as Source
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-    src = Source(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     with _triton_cache():
-        cc = triton.compile(src, target=tt_target, options=options)
-        if tt_target.backend == "cuda" and consts.get("WG_SPLIT"):
-            text, rewrites = compiler.split_broadcast_wgmma(cc.asm["ttgir"])
-            if rewrites:
-                with tempfile.TemporaryDirectory() as d:
-                    path = os.path.join(d, f"{cc.metadata.name}.ttgir")
-                    with open(path, "w") as f:
-                        f.write(text)
-                    try:
-                        cc = triton.compile(path, target=tt_target, options=options)
-                    except Exception as e:  # noqa: BLE001 - as compiler.rewrite_module: skipped
-                        log.warning("jax_mla: TTGIR warpgroup split skipped (%s)", e)
+        cc, _ = compiler.compile_for_target(kernel, signature=sig, constexprs=consts,
+                                            attrs=attrs, target=tt_target,
+                                            num_warps=num_warps, num_stages=num_stages)
     md = cc.metadata
     scratch = {k: getattr(md, k, 0) or 0 for k in ("global_scratch_size", "profile_scratch_size")}
     if any(scratch.values()):
