@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jax_mla.backends import get_backend, require_available, resolve_backend
 from jax_mla.cache import is_fp8
-from jax_mla.paged import DecodeMetadata, check_inputs, paged_views
+from jax_mla.paged import DecodeMetadata, check_inputs, checked_views, paged_views
 from jax_mla.problem import DecodeProblem, as_target, dtype_name
 
 __all__ = ["DecodeMetadata", "build_decode_metadata", "plan_decode"]
@@ -104,6 +104,6 @@ def build_decode_metadata(
         kv_dtype=dtype_name(kv_dtype), target=as_target(target), has_kv_scale=is_fp8(kv_dtype),
         return_lse=bool(return_lse))
     impl, plan = plan_decode(problem, backend, tuning=tuning, options=options)
-    md = paged_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
-                     flat_capacity=flat_capacity, views=impl.views)
+    md = checked_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
+                       flat_capacity=flat_capacity, views=impl.views)
     return md.replace(plan=plan, schedule=impl.schedule(plan, md))

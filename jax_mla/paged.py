@@ -178,6 +178,13 @@ def paged_views(block_table, seq_lens, *, page_size: int, qlen: int = 1,
     block_table = jnp.asarray(block_table)
     seq_lens = jnp.asarray(seq_lens)
     check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity)
+    return checked_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
+                         flat_capacity=flat_capacity, views=views)
+
+
+def checked_views(block_table, seq_lens, *, page_size: int, qlen: int,
+                  flat_capacity: int | None, views) -> DecodeMetadata:
+    """:func:`paged_views` of arrays that :func:`check_inputs` has already passed."""
     views = tuple(v for v in VIEWS if v in tuple(views))
     if flat_capacity is None:
         flat_capacity = block_table.shape[0] * block_table.shape[1] * page_size
