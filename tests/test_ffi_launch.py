@@ -7,9 +7,11 @@ interpreter) and a jitted decode step lowered for ``("cuda",)`` and ``("rocm",)`
 our typed FFI custom calls. Launches themselves need a GPU (``-m gpu``).
 """
 
+import dataclasses
 import importlib.util
 import os
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -47,15 +49,36 @@ def test_library_registers_for_cuda_rocm_and_the_cpu_twin():
 
 
 @needs_library
+def test_gpu_handlers_are_registered_command_buffer_compatible(monkeypatch):
+    """XLA reads the traits from the registration: without them it never captures a launch in
+    a command buffer (measured on the H200: none formed until they were passed)."""
+    seen = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, fn, platform, **kw: seen.append((name, platform, kw)))
+    monkeypatch.setattr(ffi_launch, "_registered", set())
+    ffi_launch.register()
+    gpu = {p: kw for name, p, kw in seen if name == ffi_launch.TARGET_NAME}
+    assert set(gpu) == {"CUDA", "ROCM"}
+    assert all(kw["traits"] == ffi_launch.command_buffer_traits() for kw in gpu.values())
+    assert int(ffi_launch.command_buffer_traits()) == 1  # XLA's COMMAND_BUFFER_COMPATIBLE
+
+
+@needs_library
 @pytest.mark.parametrize("platform,library,advice", [
     ("cuda", "libcuda.so.1", "install the driver"), ("rocm", "libamdhip64.so", "install ROCm")])
 def test_a_missing_driver_is_named_with_what_to_install(platform, library, advice):
     """What the handlers say at their first call when the driver library is absent (this CPU
     host has neither). On a GPU host the driver opens and there is nothing to report."""
-    import ctypes.util
+    import ctypes
 
     error = ffi_launch.driver_error(platform)
-    present = ctypes.util.find_library("cuda" if platform == "cuda" else "amdhip64")
+    present = False
+    for name in (library, {"cuda": "libcuda.so", "rocm": "libamdhip64.so.6"}[platform]):
+        try:  # the names the handlers try, by dlopen's search (not ldconfig's cache)
+            ctypes.CDLL(name)
+            present = True
+        except OSError:
+            pass
     if present:
         assert error is None or "lacks" in error, error
     else:
@@ -84,6 +107,11 @@ def test_parameters_are_operands_then_results_then_nulls(rng, hidden):
     ffi_launch.register(("cpu",))
     kb = _binary(hidden)
     attrs = ffi_launch.launch_attributes(kb, (7, 3))
+    with jax.default_device(jax.devices("cpu")[0]):  # the twin is a CPU handler, on GPU hosts too
+        _check_packing(rng, hidden, attrs)
+
+
+def _check_packing(rng, hidden, attrs):
     a = jnp.asarray(rng.standard_normal(5), jnp.float32)
     b = jnp.asarray(rng.integers(0, 9, 4), jnp.int32)
     c = jnp.asarray(rng.standard_normal(6), jnp.float32)
@@ -109,7 +137,8 @@ def test_the_twin_rejects_a_wrong_report_buffer():
     attrs = ffi_launch.launch_attributes(_binary(2), (1,))
     # One operand and two nulls are three parameters; a report of four entries is refused.
     call = jax.ffi.ffi_call(ffi_launch.PACK_TARGET_NAME, [jax.ShapeDtypeStruct((4,), jnp.int32)])
-    with pytest.raises(Exception, match="int32\\[number of params\\]"):
+    with jax.default_device(jax.devices("cpu")[0]), pytest.raises(
+            Exception, match="int32\\[number of params\\]"):
         jax.block_until_ready(call(jnp.ones(2), **attrs))
 
 
@@ -250,10 +279,20 @@ def test_launcher_choice(monkeypatch):
     assert launch.resolve_launcher(cpu, "ffi") == "interpret"
     assert launch.resolve_launcher(cuda, "ffi") == "ffi"
     assert launch.resolve_launcher(cuda, "jax_triton") == "jax_triton"
+    # auto: the FFI launcher, whether or not jax-triton is installed ...
+    monkeypatch.setattr(ffi_launch, "unavailable_reason", lambda: None)
+    for installed in (False, True):
+        monkeypatch.setattr(launch, "_jax_triton_installed", lambda installed=installed: installed)
+        assert launch.resolve_launcher(cuda) == "ffi"
+    # ... jax-triton only without the library, and said once; with neither, ffi (which raises).
+    monkeypatch.setattr(ffi_launch, "unavailable_reason", lambda: "no library here")
+    with pytest.warns(UserWarning, match="no library here.*jax-triton"):
+        assert launch.resolve_launcher(cuda) == "jax_triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert launch.resolve_launcher(cuda) == "jax_triton"  # not said twice
     monkeypatch.setattr(launch, "_jax_triton_installed", lambda: False)
     assert launch.resolve_launcher(cuda) == "ffi"
-    monkeypatch.setattr(launch, "_jax_triton_installed", lambda: True)
-    assert launch.resolve_launcher(cuda) == "jax_triton"
     monkeypatch.setenv("JAX_MLA_TRITON_LAUNCHER", "ffi")
     assert launch.resolve_launcher(cuda) == "ffi"
     assert TritonTuning.from_env().launcher == "ffi"
@@ -268,14 +307,26 @@ def test_launcher_choice(monkeypatch):
                            target=cuda, launcher="jax_triton")
 
 
-def test_the_plan_carries_its_launcher():
+def test_the_plan_carries_its_launcher(monkeypatch):
     import jax_mla
 
     md = jax_mla.build_decode_metadata(
         np.zeros((1, 2), np.int32), np.array([5], np.int32), page_size=16, num_heads=16,
         q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, backend="triton", target="cuda",
-        tuning=TritonTuning(launcher="ffi"))
+        tuning=TritonTuning(launcher="ffi", planner="jnp"))  # eager here: no CUDA to plan on
     assert md.plan.launcher == "ffi"
+    # The GPU defaults: the FFI launcher (where its library is) and the planning kernel.
+    from jax_mla.backends.triton.plan import make_plan
+    from jax_mla.problem import DecodeProblem
+
+    problem = DecodeProblem(num_seqs=1, qlen=1, num_heads=16, page_size=16, max_pages=2,
+                            kv_lora_rank=512, rope_dim=64, q_dtype="bfloat16",
+                            kv_dtype="bfloat16", target=Target("cuda", "sm_90", 132))
+    monkeypatch.setattr(ffi_launch, "unavailable_reason", lambda: None)
+    plan = make_plan("triton", problem, TritonTuning())
+    assert (plan.launcher, plan.planner) == ("ffi", "kernel")
+    cpu = make_plan("triton", dataclasses.replace(problem, target=Target("cpu")), TritonTuning())
+    assert (cpu.launcher, cpu.planner) == ("interpret", "jnp")
     md = jax_mla.build_decode_metadata(
         np.zeros((1, 2), np.int32), np.array([5], np.int32), page_size=16, num_heads=16,
         q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, backend="triton", target="cpu")
@@ -324,7 +375,7 @@ for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
 # rewritten TTGIR compiles into another binary.
 hashes = []
 for split in (True, False):
-    tun = TritonTuning(launcher="ffi", sm90_kernel=False, wg_split=split)
+    tun = TritonTuning(launcher="ffi", planner="jnp", sm90_kernel=False, wg_split=split)
     q128 = jnp.ones((B, 128, 576), jnp.bfloat16)
     md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=128, q=q128,
                                        kv_cache=cache, backend="triton",
@@ -359,7 +410,7 @@ res["reduce"] = dict(params=len(kb.params), hidden=kb.hidden_params,
 
 # Too much shared memory for the target: a clear error at trace time.
 try:
-    tun = TritonTuning(launcher="ffi", num_stages=3)
+    tun = TritonTuning(launcher="ffi", planner="jnp", num_stages=3)
     md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=16, q=q[:, :16],
                                        kv_cache=cache, backend="triton",
                                        target=Target("rocm", "gfx942", 304), tuning=tun)

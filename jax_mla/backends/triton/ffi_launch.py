@@ -94,6 +94,19 @@ def _capsule(symbol: str):
     return jax.ffi.pycapsule(getattr(_library(), symbol))
 
 
+
+
+def command_buffer_traits():
+    """The registration traits that let XLA capture our launches in command buffers (CUDA
+    graphs). XLA reads a handler's traits from its registration, not from the handler: without
+    them it never puts the call in a command buffer, whatever the C++ side declares."""
+    try:
+        from jaxlib import xla_client
+    except ImportError:  # the module jax.ffi itself registers through
+        from jax._src.lib import xla_client
+    return xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+
+
 _REGISTER_LOCK = threading.Lock()
 _registered: set[str] = set()
 
@@ -118,7 +131,7 @@ def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
                     TARGET_NAME,
                     {"initialize": _capsule(f"JaxMlaTritonInitialize{suffix}"),
                      "execute": _capsule(f"JaxMlaTritonExecute{suffix}")},
-                    platform=platform)
+                    platform=platform, traits=command_buffer_traits())
             _registered.add(platform)
 
 

@@ -70,11 +70,11 @@ def _jax_triton_installed() -> bool:
 
 def resolve_launcher(target: Target, choice: str | None = None) -> str:
     """The launcher for ``target``: ``interpret`` on CPU; on GPUs ``choice`` (default: the
-    ``JAX_MLA_TRITON_LAUNCHER`` variable, else ``auto``), where ``auto`` is jax-triton when it
-    is installed and the FFI launcher otherwise.
+    ``JAX_MLA_TRITON_LAUNCHER`` variable, else ``auto``), where ``auto`` is the FFI launcher.
 
-    ``auto`` stays with jax-triton until the FFI launcher has been measured on a GPU
-    (``docs/launcher.md`` says what ran where).
+    ``auto`` falls back to jax-triton only when the FFI library is missing and jax-triton is
+    installed, and says so once (a warning naming the library's problem); with neither, it stays
+    ``ffi``, whose first launch raises an error saying what to install.
     """
     if not target.gpu:
         return "interpret"
@@ -82,8 +82,22 @@ def resolve_launcher(target: Target, choice: str | None = None) -> str:
     if choice not in LAUNCHERS:
         raise ValueError(f"launcher={choice!r} must be one of {LAUNCHERS}")
     if choice == "auto":
-        return "jax_triton" if _jax_triton_installed() else "ffi"
+        missing = ffi_launch.unavailable_reason()
+        if missing is not None and _jax_triton_installed():
+            _warn_fallback(missing)
+            return "jax_triton"
+        return "ffi"
     return choice
+
+
+@functools.cache
+def _warn_fallback(missing: str) -> None:
+    import warnings
+
+    warnings.warn(f"jax_mla: the FFI launcher is unavailable ({missing}); Triton kernels are "
+                  "launched through jax-triton, which XLA cannot capture in command buffers. "
+                  "Reinstall jax_mla with a C++ compiler (docs/launcher.md, Building), or set "
+                  "JAX_MLA_TRITON_LAUNCHER=jax_triton to choose it.", stacklevel=3)
 
 
 def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
@@ -107,8 +121,7 @@ def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
         if not _jax_triton_installed():
             raise RuntimeError("launcher='jax_triton' needs jax-triton (pip install "
                                "'jax_mla[cuda]'); launcher='ffi' needs none")
-        import jax_triton as jt
-
+        jt = _import_jax_triton()
         compiler.install()  # WG_SPLIT and @gluon.jit kernels: see compiler.py
 
         outs = jt.triton_call(*args, kernel=kernel, out_shape=out_shapes, grid=grid,
@@ -116,6 +129,22 @@ def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
                               num_stages=num_stages, **constexprs)
         return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     return _interpret_call(kernel, args, grid, out_shapes, aliases, constexprs)
+
+
+def _import_jax_triton():
+    """``jax_triton``, imported without its side effect on the environment: its import sets
+    ``TRITON_CACHE_DIR=""``, after which every Triton compile in the process (torch's, AITER's)
+    fails with "Could not create or locate cache dir"."""
+    if "jax_triton" in sys.modules:
+        return sys.modules["jax_triton"]
+    before = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+
+    if before is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = before
+    return jax_triton
 
 
 def _is_array(a) -> bool:

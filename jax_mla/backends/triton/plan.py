@@ -73,9 +73,9 @@ class TritonTuning:
     two-load reduce for this package's plans; ``reduce_block_s`` / ``reduce_block_l``: the
     reduce's chunk and column block; ``split_plan``: ``auto``, ``line`` or ``even``;
     ``planner``: how the split schedule is computed, ``kernel`` (one Triton program,
-    ``kernels/triton/plan.py``), ``jnp`` (XLA ops) or ``auto`` (jnp for now: the kernel is
-    bit-exact with it in Triton's interpreter but has not yet run on a GPU); both give the same
-    arrays. ``launcher``: how kernels reach XLA on GPUs, ``ffi`` (jax_mla's own FFI handler),
+    ``kernels/triton/plan.py``), ``jnp`` (XLA ops) or ``auto`` (the kernel on GPUs, jnp on
+    CPU, where the interpreter would be slower than XLA); both give the same arrays, bit for
+    bit. ``launcher``: how kernels reach XLA on GPUs, ``ffi`` (jax_mla's own FFI handler),
     ``jax_triton`` or ``auto`` (``launch.resolve_launcher``).
     """
 
@@ -314,8 +314,8 @@ def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = N
     sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale)
     cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning)
     programs = num_programs(cfg, target)
-    # "auto" keeps XLA ops until the planning kernel has been checked on a GPU.
-    planner = "jnp" if tuning.planner == "auto" else tuning.planner
+    # "auto": one planning program on GPUs (a few microseconds); XLA ops under the interpreter.
+    planner = tuning.planner if tuning.planner != "auto" else "kernel" if target.gpu else "jnp"
     return TritonPlan(
         backend=name, problem=problem, padded_heads=p.num_heads, kernel=cfg,
         num_programs=programs, split_mode=tuning.split_plan, planner=planner,
