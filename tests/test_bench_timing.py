@@ -7,6 +7,9 @@ import pytest
 
 from jax_mla.bench import timing
 
+import oracle
+from conftest import make_case
+
 
 def _compiled(fn, n, *args):
     return timing.chained(fn, n).lower(*args).compile().as_text()
@@ -129,3 +132,90 @@ def test_ab_times_each_variant_under_its_own_plan(tmp_path, monkeypatch):
     assert rows[1]["rel_err_vs_first"] < 1e-2  # two reduce kernels, the same merge
     assert True in seen and False in seen  # each variant traced under its own plan
     assert "JAX_MLA_TRITON_AFFINE_REDUCE" not in os.environ
+
+
+def _fake_flashmla():
+    """FlashMLA's Python API over the float64 oracle, in FlashMLA's layouts: q ``[B, Q, H, D]``,
+    cache ``[pages, 64, 1, D]``, out ``[B, Q, H, L]``, lse ``[B, H, Q]``."""
+    import types
+
+    import torch
+
+    def get_mla_metadata(*_, **__):
+        return types.SimpleNamespace(), None
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta,
+                               num_splits, softmax_scale=None, causal=False):
+        b, qlen, h, d = q.shape
+        assert k_cache.shape[2] == 1 and num_splits is None and causal == (qlen > 1)
+        out, lse = oracle.mla_decode(
+            q.reshape(b * qlen, h, d).double().numpy(), k_cache[:, :, 0].double().numpy(),
+            block_table.numpy(), cache_seqlens.numpy(), qlen=qlen, page_size=k_cache.shape[1],
+            scale=softmax_scale, kv_lora_rank=head_dim_v)
+        return (torch.from_numpy(out).reshape(b, qlen, h, head_dim_v),
+                torch.from_numpy(lse).reshape(b, qlen, h).transpose(1, 2))
+
+    return types.SimpleNamespace(get_mla_metadata=get_mla_metadata,
+                                 flash_mla_with_kvcache=flash_mla_with_kvcache)
+
+
+def test_flashmla_peer_reads_our_buffers_in_its_layout(rng):
+    """The FlashMLA row's glue: our q / cache / table / lengths viewed in FlashMLA's layouts,
+    its outputs read back in ours (rows ``b * Q + t``; LSE from ``[B, H, Q]``)."""
+    import jax_mla
+    from jax_mla.bench import peers
+
+    pytest.importorskip("torch")
+    c = make_case(rng, seq_lens=[130, 7, 64], qlen=2, num_heads=3, page_size=64)
+    q, cache = jnp.asarray(c.q, jnp.float32), jnp.asarray(c.cache, jnp.float32)
+    fm = peers.FlashMLA(q, cache, jnp.asarray(c.block_table), jnp.asarray(c.seq_lens), qlen=2,
+                        scale=c.scale, module=_fake_flashmla())
+    out, lse = fm.outputs()
+    md = jax_mla.build_decode_metadata(c.block_table, c.seq_lens, page_size=64, qlen=2)
+    want, want_lse = jax_mla.mla_attention(q, cache, md, scale=c.scale, return_lse=True,
+                                           backend="xla")
+    assert out.shape == (6, 3, 512) and lse.shape == (6, 3)
+    assert oracle.rel_err(out, np.asarray(want)) < 1e-5
+    np.testing.assert_allclose(lse, np.asarray(want_lse), rtol=1e-5)
+    assert peers.flashmla_reason("bf16", 64, 128) is None
+    assert "bf16 only" in peers.flashmla_reason("fp8", 64, 16)
+    assert "64 tokens" in peers.flashmla_reason("bf16", 1, 16)
+
+
+def test_command_buffers_are_counted_from_the_compiled_hlo(monkeypatch):
+    """The compiled program's ``command_buffer`` computations and our custom calls inside."""
+    from jax_mla.bench import profile
+
+    hlo = """HloModule m, is_scheduled=true
+
+%command_buffer (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %a = f32[4]{0} custom-call(%p0), custom_call_target="jax_mla_triton", api_version=4
+  ROOT %b = f32[4]{0} custom-call(%a), custom_call_target="jax_mla_triton", api_version=4
+}
+
+%command_buffer.1 (p0: f32[4]) -> f32[4] {
+  ROOT %p0 = f32[4]{0} parameter(0)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %c = f32[4]{0} call(%x), to_apply=%command_buffer
+  %d = f32[4]{0} custom-call(%c), custom_call_target="jax_mla_triton"
+  ROOT %e = f32[4]{0} call(%d), to_apply=%command_buffer.1
+}
+"""
+
+    class Fake:
+        def lower(self, *a):
+            return self
+
+        def compile(self):
+            return self
+
+        def as_text(self):
+            return hlo
+
+    monkeypatch.setattr(profile.jax, "jit", lambda fn: Fake())
+    assert profile.command_buffers(None) == {"command_buffers": 2, "custom_calls": 3,
+                                             "custom_calls_in_command_buffers": 2}

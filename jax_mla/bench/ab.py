@@ -20,8 +20,15 @@ import jax
 import numpy as np
 
 from jax_mla.backends.triton import TritonTuning
-from jax_mla.bench import profile
-from jax_mla.bench.decode import Shape, attention_call
+from jax_mla.bench import peers, profile
+from jax_mla.bench.decode import (
+    DEEPSEEK_SCALE,
+    Shape,
+    attention_call,
+    builder,
+    make_inputs,
+    metadata_time,
+)
 from jax_mla.bench.timing import device_time
 
 
@@ -40,34 +47,98 @@ def parse_variant(text: str) -> tuple[str, TritonTuning]:
     return name, TritonTuning(**kw)
 
 
-def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None) -> list[dict]:
+def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
+        peers: bool = True) -> list[dict]:
+    """Rows of ``{shape, variant, us (rounds), best_us, vs_first, rel_err_vs_first,
+    metadata_us, ...}``; with ``gpu_time`` (CUPTI) also ``gpu_us``, ``launches``,
+    ``kernels_us``, the metadata's ``metadata_gpu_us`` / ``metadata_launches`` /
+    ``metadata_memcpys`` and the compiled call's command buffers. With ``peers``, a
+    ``flashmla`` row on the first variant's buffers where FlashMLA is built
+    (``peers.py``). Every stream time is taken before any CUPTI trace: once CUPTI has traced
+    a process, every launch in it costs more."""
     gpu_time = profile.available() if gpu_time is None else gpu_time
-    rows = []
+    names = [name for name, _ in variants]
+    cases, rows = [], []
     for shape in shapes:
         calls = {name: attention_call(shape, np.random.default_rng(0), tuning=tuning)
                  for name, tuning in variants}
-        times = {name: [] for name, _ in variants}
-        ref = None
-        errs = {}
+        builds = {name: (builder(shape, tuning=tuning), inputs(shape)) for name, tuning in variants}
+        fm = _flashmla(shape, calls[names[0]][1], *builds[names[0]][1]) if peers else None
+        times = {name: [] for name in names + (["flashmla"] if fm else [])}
         for _ in range(rounds):
-            for name, _ in variants:
+            for name in names:
                 fn, args = calls[name]
                 times[name].append(device_time(fn, *args, min_ms=20) * 1e6)
-        for name, tuning in variants:
-            fn, args = calls[name]
-            out = np.asarray(jax.jit(fn)(*args)[0], np.float32)
-            ref = out if ref is None else ref
-            errs[name] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-            row = {"shape": shape.name, "variant": name, "tuning": dataclasses.asdict(tuning),
-                   "us": times[name], "best_us": min(times[name]),
-                   "vs_first": min(times[name]) / min(times[variants[0][0]]),
-                   "rel_err_vs_first": errs[name]}
-            if gpu_time:
-                row["gpu_us"] = profile.kernel_times(fn, *args)["gpu_us"]
+            if fm:
+                times["flashmla"].append(fm.stream_time() * 1e6)
+        outs = {name: _outputs(*calls[name]) for name in names}
+        if fm:
+            outs["flashmla"] = fm.outputs()
+        ref_out, ref_lse = outs[names[0]]
+        first = min(times[names[0]])
+        for name in times:
+            out, lse = outs[name]
+            fin = np.isfinite(ref_lse)
+            row = {"shape": shape.name, "variant": name, "us": times[name],
+                   "best_us": min(times[name]), "vs_first": min(times[name]) / first,
+                   "rel_err_vs_first": float(np.linalg.norm(out - ref_out)
+                                             / np.linalg.norm(ref_out)),
+                   "lse_max_abs_err_vs_first": float(np.max(np.abs(lse[fin] - ref_lse[fin]),
+                                                            initial=0.0))}
+            if name in calls:
+                tuning = dict(variants)[name]
+                build, (table, lens) = builds[name]
+                row["tuning"] = dataclasses.asdict(tuning)
+                row["metadata_us"] = metadata_time(build, table, lens, min_ms=5) * 1e6
             rows.append(row)
             print(f"{shape.name:<28} {name:<12} best {row['best_us']:8.1f} us "
-                  f"x{row['vs_first']:.3f} err {errs[name]:.1e}", flush=True)
+                  f"x{row['vs_first']:.3f} err {row['rel_err_vs_first']:.1e}", flush=True)
+        cases.append((shape, calls, builds, fm))
+    if gpu_time:
+        for shape, calls, builds, fm in cases:
+            for row in rows:
+                if row["shape"] != shape.name:
+                    continue
+                name = row["variant"]
+                if name in calls:
+                    fn, args = calls[name]
+                    k = profile.kernel_times(fn, *args)
+                    build, (table, lens) = builds[name]
+                    m = profile.kernel_times(build, table, lens)
+                    row.update(gpu_us=k["gpu_us"], launches=k["launches"],
+                               kernels_us=k["kernels_us"], metadata_gpu_us=m["gpu_us"],
+                               metadata_launches=m["launches"],
+                               metadata_memcpys=m["memcpy_launches"],
+                               **profile.command_buffers(fn, *args))
+                elif name == "flashmla":
+                    k, m = fm.gpu_time(), fm.metadata_gpu_time()
+                    row.update(gpu_us=k["gpu_us"], launches=k["launches"],
+                               kernels_us=k["kernels_us"], metadata_gpu_us=m["gpu_us"],
+                               metadata_launches=m["launches"])
+                print(f"{shape.name:<28} {name:<12} GPU {row['gpu_us']:8.1f} us, "
+                      f"{row['launches']:.0f} launches; metadata GPU "
+                      f"{row['metadata_gpu_us']:.1f} us in {row['metadata_launches']:.0f}",
+                      flush=True)
     return rows
+
+
+def inputs(shape):
+    """The block table and lengths :func:`attention_call` built for ``shape`` (same seed)."""
+    _, _, table, lens, _ = make_inputs(shape, np.random.default_rng(0))
+    return table, lens
+
+
+def _outputs(fn, args):
+    out, lse = jax.jit(fn)(*args)
+    return np.asarray(out, np.float32), np.asarray(lse, np.float32)
+
+
+def _flashmla(shape, args, table, lens):
+    """FlashMLA on the first variant's buffers, where it is built and can run ``shape``."""
+    if peers.flashmla() is None or peers.flashmla_reason(shape.kv, shape.page, shape.heads):
+        return None
+    q, cache, _ = args
+    return peers.FlashMLA(q, cache, table, lens, qlen=shape.qlen, scale=DEEPSEEK_SCALE)
 
 
 def main(argv=None) -> int:

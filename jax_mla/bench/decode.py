@@ -13,6 +13,9 @@ metadata built once, as a model step shares it across layers:
 - ``kernel_us``: the backend's ``decode`` alone (no padding or casts) in the same chain;
 - ``metadata_us`` / ``metadata_gpu_us`` / ``metadata_launches``: building the step's metadata
   and plan arrays, once per step.
+
+Where FlashMLA is built (``peers.py``), a ``flashmla`` row times it on the same buffers by the
+same timers (its stream time: a CUDA graph of dependent calls).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 import jax_mla
 from jax_mla.backends import get_backend
-from jax_mla.bench import profile
+from jax_mla.bench import peers, profile
 from jax_mla.bench.timing import device_time, dispatch_time
 from jax_mla.testing import rel_err
 
@@ -176,10 +179,16 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) 
                **dataclasses.asdict(shape), **roofline(shape, lens_np, t_e2e, ceil),
                "dispatch_us": dispatch_time(e2e, q, cache, md) * 1e6,
                "kernel_us": (device_time(kernels, q, cache, md) if name != "xla" else t_e2e) * 1e6,
-               "metadata_us": device_time(build, table, lens) * 1e6}
+               "metadata_us": metadata_time(build, table, lens) * 1e6}
         row["e2e_over_kernel"] = row["us"] / row["kernel_us"]
         outs[name] = jax.jit(e2e)(q, cache, md)
         rows.append(row)
+    fm = flashmla(shape, q, cache, table, lens, scale)
+    if fm is not None:
+        rows.append({"shape": shape.name, "tag": shape.tag, "backend": "flashmla",
+                     **dataclasses.asdict(shape),
+                     **roofline(shape, lens_np, fm.stream_time(), ceil)})
+        outs["flashmla"] = tuple(jnp.asarray(x) for x in fm.outputs())
     if "xla" in outs:
         ref_o, ref_l = outs["xla"]
         xla_us = next(r["us"] for r in rows if r["backend"] == "xla")
@@ -191,6 +200,13 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) 
                                                           - np.asarray(ref_l)[fin])))
             row["speedup_vs_xla"] = xla_us / row["us"]
     return rows
+
+
+def metadata_time(build, table, lens, **kw) -> float:
+    """Stream time of a step's metadata build: the chain feeds each build's dependency into the
+    *lengths* (every part of the build reads them; the split plan reads nothing else, so a chain
+    through the block table would let XLA merge the plans of consecutive calls)."""
+    return device_time(lambda lens, table: build(table, lens), lens, table, **kw)
 
 
 def _e2e(kv_scale, scale):
@@ -215,4 +231,17 @@ def gpu_time_rows(shape: Shape, backends, rng, *, scale=DEEPSEEK_SCALE) -> dict:
         out[name] = dict(gpu_us=k["gpu_us"], launches=k["launches"],
                          gpu_kernels_us=k["kernels_us"], metadata_gpu_us=m["gpu_us"],
                          metadata_launches=m["launches"], metadata_memcpys=m["memcpy_launches"])
+    fm = flashmla(shape, q, cache, table, lens, scale)
+    if fm is not None:
+        k, m = fm.gpu_time(), fm.metadata_gpu_time()
+        out["flashmla"] = dict(gpu_us=k["gpu_us"], launches=k["launches"],
+                               gpu_kernels_us=k["kernels_us"], metadata_gpu_us=m["gpu_us"],
+                               metadata_launches=m["launches"])
     return out
+
+
+def flashmla(shape: Shape, q, cache, table, lens, scale):
+    """FlashMLA on these buffers (``peers.py``), where it is built and runs ``shape``."""
+    if peers.flashmla() is None or peers.flashmla_reason(shape.kv, shape.page, shape.heads):
+        return None
+    return peers.FlashMLA(q, cache, table, lens, qlen=shape.qlen, scale=scale)

@@ -92,3 +92,31 @@ def available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """``{name: body}`` of an HLO module's text (one computation per top-level ``{ ... }``)."""
+    comps, name, body = {}, None, []
+    for line in hlo.splitlines():
+        if name is None:
+            m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+            if m and not line.startswith((" ", "HloModule")):
+                name, body = m.group(1), []
+        elif line.startswith("}"):
+            comps[name] = "\n".join(body)
+            name = None
+        else:
+            body.append(line)
+    return comps
+
+
+def command_buffers(fn, *args, target: str = "jax_mla_triton") -> dict:
+    """What XLA put in command buffers (CUDA graphs) in ``jax.jit(fn)``'s compiled program:
+    ``{"command_buffers", "custom_calls", "custom_calls_in_command_buffers"}``, the custom calls
+    counted being ``target``'s."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    comps = _computations(hlo)
+    needle = f'custom_call_target="{target}"'
+    cbs = {k: v for k, v in comps.items() if k.startswith("command_buffer")}
+    return {"command_buffers": len(cbs), "custom_calls": hlo.count(needle),
+            "custom_calls_in_command_buffers": sum(v.count(needle) for v in cbs.values())}

@@ -6,11 +6,12 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 ``decode.json`` (the grid, both timers), ``decode_before.json`` (the same grid run in the same
 session on an earlier tree, for a before/after table), ``kernels.json`` and
 ``kernels_before.json`` (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``,
-``aiter_bridge.json``, ``ab.json``, ``latency_ab.json``, ``conformance.json`` (the GPU test
-summary), and ``tried.md`` (what was measured and kept or dropped, in words), and writes
-``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
-(docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16 matmul); the bench's own
-in-run probes are shown beside them, since they move with the GPU's clocks from run to run.
+``aiter_bridge.json``, ``ab.json``, ``launcher_ab.json``, ``graphs.json``, ``latency_ab.json``,
+``conformance.json`` (the GPU test summary), and ``tried.md`` (what was measured and kept or
+dropped, in words), and writes ``RESULTS.md`` next to them. Ratios are against the device's
+reference ceilings (docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16
+matmul); the bench's own in-run probes are shown beside them, since they move with the GPU's
+clocks from run to run.
 """
 
 from __future__ import annotations
@@ -142,6 +143,36 @@ def ab_table(rows) -> str:
     return "\n".join(out)
 
 
+def launcher_table(rows) -> str:
+    """The launcher A/B (``launcher_ab.json``): both timers, stream over GPU time, metadata,
+    command buffers, and FlashMLA beside where it ran."""
+    out = ["| shape | variant | stream µs | GPU µs | stream / GPU | launches | metadata GPU µs "
+           "(launches, memcpys) | command buffers (FFI calls in them / all) | rel err vs first |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gpu = r.get("gpu_us")
+        cb = ("-" if "command_buffers" not in r else
+              f"{r['command_buffers']} ({r['custom_calls_in_command_buffers']} / "
+              f"{r['custom_calls']})")
+        md = (f"{_f(r.get('metadata_gpu_us'))} ({_f(r.get('metadata_launches'), 0)}, "
+              f"{_f(r.get('metadata_memcpys'), 0)})")
+        out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | {_f(gpu)} | "
+                   f"{_f(r['best_us'] / gpu if gpu else None, 3)} | "
+                   f"{_f(r.get('launches'), 0)} | {md} | {cb} | "
+                   f"{r['rel_err_vs_first']:.1e} |")
+    return "\n".join(out)
+
+
+def graphs_table(rows) -> str:
+    out = ["| shape | program | command buffers | our calls in them / all | note |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r.get('program', 'call')} | {r['command_buffers']} | "
+                   f"{r['custom_calls_in_command_buffers']} / {r['custom_calls']} | "
+                   f"{r.get('note', '')} |")
+    return "\n".join(out)
+
+
 def report(folder: str) -> str:
     name = os.path.basename(os.path.normpath(folder))
     parts = [f"# Results: {name}", "",
@@ -167,6 +198,17 @@ def report(folder: str) -> str:
     if ker:
         parts += ["## Kernels per call (CUPTI)", "",
                   kernels_table(ker, _load(folder, "kernels_before.json")), ""]
+    la = _load(folder, "launcher_ab.json")
+    if la:
+        parts += ["## Launchers and metadata (same run)", "",
+                  "`jax_triton`: jax-triton's custom call with the split plan in XLA ops (the "
+                  "path before the FFI launcher); `ffi_jnp`: our FFI handler, same metadata; "
+                  "`ffi`: our FFI handler and the planning kernel (the defaults); `flashmla`: "
+                  "FlashMLA on the first variant's buffers (stream time: one CUDA graph).", "",
+                  launcher_table(la), ""]
+    gr = _load(folder, "graphs.json")
+    if gr:
+        parts += ["## Command buffers in compiled programs", "", graphs_table(gr), ""]
     ab = _load(folder, "ab.json")
     if ab:
         parts += ["## Tuning A/B (same run)", "", ab_table(ab), ""]

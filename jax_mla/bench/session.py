@@ -13,10 +13,19 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`;
-- ``launcher``: the FFI launcher (``docs/launcher.md``): builds its library if this checkout has
-  none, runs its GPU test and the conformance suite through it (with the planning kernel), then
-  the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton, FFI, FFI + planning kernel) at
-  :data:`LAUNCHER_SHAPES`, both timers, into ``launcher_ab.json``.
+- ``graphs``: the command buffers XLA forms around our launches (:data:`GRAPH_SHAPES`);
+- ``planner``: a step's metadata on the GPU, and the planning kernel's knobs
+  (``python -m jax_mla.bench.planner``);
+- ``launcher_tests``: the FFI launcher (``docs/launcher.md``): builds its library if this
+  checkout has none, runs its GPU tests and the planning kernel's bit-exactness test;
+  ``conformance_ffi``: the Triton half of the conformance suite through both (the GPU
+  defaults);
+- ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton, FFI with XLA-op metadata, FFI
+  with the planning kernel) at :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both
+  timers, metadata, command buffers, into ``launcher_ab.json``.
+
+Where FlashMLA's reduced tree was carried (:data:`PEERS`), it is built in the background at the
+start and the ``bench`` and ``launcher`` stages time it beside ours.
 
 Results go to ``$OUT`` (JSON and CSV; no logs or traces); ``python -m jax_mla.bench.report``
 turns a folder of them into ``RESULTS.md``.
@@ -24,6 +33,7 @@ turns a folder of them into ``RESULTS.md``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -42,18 +52,59 @@ AB_SHAPES = ("32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_VARIANTS = ("base", "general:affine_reduce=0", "line:split_plan=line", "no_l2:l2_hints=0")
 LAUNCHER_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "128,16,8192",
                    "32,16,32768", "128,128,4096", "64,16,4096,4", "64,16,4096,1,64,fp8")
-LAUNCHER_VARIANTS = ("jt:launcher=jax_triton", "ffi:launcher=ffi",
-                     "ffik:launcher=ffi,planner=kernel")
+# jax-triton with XLA-op metadata (the path before the FFI launcher), the FFI launcher with the
+# same metadata, and the defaults since (the FFI launcher and the planning kernel).
+LAUNCHER_VARIANTS = ("jax_triton:launcher=jax_triton,planner=jnp",
+                     "ffi_jnp:launcher=ffi,planner=jnp", "ffi:launcher=ffi,planner=kernel")
 
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
+PEERS = os.path.join(".peers", "flashmla")  # FlashMLA's reduced tree (benchmarks/README.md)
+_peer_build = None
+
+
+def start_peer_build():
+    """Build FlashMLA in the background where its tree was carried (``PEERS``): about two
+    minutes of nvcc while the first stages run. Its log goes beside ``$OUT``, not in it."""
+    global _peer_build
+    if not os.path.isdir(PEERS) or _peer_build is not None:
+        return
+    log_path = os.path.join(os.path.dirname(os.path.abspath(OUT)), "flashmla_build.log")
+    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "8"))
+    with open(log_path, "w") as f:
+        _peer_build = subprocess.Popen([sys.executable, "flashmla_setup.py", "build_ext",
+                                        "--inplace"], cwd=PEERS, stdout=f, stderr=f, env=env)
+    log("building FlashMLA in the background, log", log_path)
+
+
+def peer_path() -> str | None:
+    """FlashMLA's folder once its build has finished well (waits for it), else None."""
+    if _peer_build is None:
+        return None
+    try:
+        rc = _peer_build.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        log("FlashMLA build still running after 600 s: no FlashMLA column")
+        return None
+    if rc != 0:
+        log(f"FlashMLA build failed (rc={rc}): no FlashMLA column")
+        return None
+    return os.path.abspath(PEERS)
+
+
 def _python(args, timeout, name, **extra_env):
-    """Run ``python args...`` with the GPU environment (no interpreter); log its tail."""
+    """Run ``python args...`` with the GPU environment (no interpreter); log its tail. FlashMLA,
+    where built, is on its path (and XLA leaves torch half the GPU's memory)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OUT"] = OUT
+    benches = (["-m", "jax_mla.bench"], ["-m", "jax_mla.bench.ab"])
+    peer = peer_path() if args[:2] in benches else None
+    if peer:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [peer, env.get("PYTHONPATH")]))
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     env.update(extra_env)
     try:
         r = subprocess.run([sys.executable, *args], capture_output=True, text=True,
@@ -147,9 +198,11 @@ def stage_ab(_):
              *AB_SHAPES], 900, "ab")
 
 
+@functools.cache
 def _ffi_library() -> str:
     """The FFI launcher library: the installed one, else built here with the C++ compiler
-    (``docs/launcher.md``, *Building*) into ``$OUT``'s parent, outside the results."""
+    (``docs/launcher.md``, *Building*) into ``$OUT``'s parent, outside the results, and named
+    in ``JAX_MLA_FFI_LIBRARY`` for this process and the stages' subprocesses."""
     import jax.ffi
 
     from jax_mla.backends.triton import ffi_launch
@@ -157,24 +210,84 @@ def _ffi_library() -> str:
     if ffi_launch.unavailable_reason() is None:
         return ffi_launch.library_path()
     path = os.path.join(os.path.dirname(os.path.abspath(OUT)), "libjax_mla_triton_launch.so")
+    t = time.time()
     subprocess.run(["c++", "-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
                     "-isystem", jax.ffi.include_dir(), "ffi/triton_launch.cc", "-o", path,
                     "-ldl"], check=True)
+    os.environ["JAX_MLA_FFI_LIBRARY"] = path
+    log(f"built the FFI launcher library in {time.time() - t:.1f} s: {path}")
     return path
 
 
-def stage_launcher(_):
+def stage_launcher_tests(_):
     lib = _ffi_library()
     log("FFI library", lib)
-    env = dict(JAX_MLA_FFI_LIBRARY=lib, JAX_MLA_TRITON_LAUNCHER="ffi")
-    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ffi_launch.py"], 300,
-            "ffi launcher tests", **env)
+    env = dict(JAX_MLA_FFI_LIBRARY=lib)
+    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ffi_launch.py",
+             "tests/test_schedule.py", "-k", "ffi or launch or planning_kernel"], 240,
+            "FFI launcher and planning kernel tests", **env)
+
+
+def stage_conformance_ffi(_):
+    # The defaults on a GPU: the FFI launcher and the planning kernel.
     _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
-             "triton"], 480, "conformance through the FFI launcher", **env,
-            JAX_MLA_TRITON_PLANNER="kernel")
+             "triton"], 420, "conformance through the FFI launcher",
+            JAX_MLA_FFI_LIBRARY=_ffi_library())
+
+
+def stage_launcher(shapes):
+    lib = _ffi_library()
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "launcher_ab.json"),
-             *LAUNCHER_VARIANTS, "--", *LAUNCHER_SHAPES], 900, "launcher ab",
+             *LAUNCHER_VARIANTS, "--", *(shapes or LAUNCHER_SHAPES)], 560, "launcher ab",
             JAX_MLA_FFI_LIBRARY=lib)
+
+
+GRAPH_SHAPES = ("1,16,1024", "32,16,4096", "128,128,4096")
+
+
+def stage_graphs(_):
+    """The command buffers (CUDA graphs) XLA forms at :data:`GRAPH_SHAPES` around our launches,
+    in three programs: one ``mla_attention`` call, the bench's chain of 8 dependent calls, and a
+    4-layer step (attention, then a projection back to the query, per layer); the compiled HLO of
+    the first shape's step goes to ``$OUT``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_mla.bench import profile
+    from jax_mla.bench.decode import Shape, attention_call
+    from jax_mla.bench.timing import chained
+
+    _ffi_library()
+    rows = []
+    for i, spec in enumerate(GRAPH_SHAPES):
+        shape = Shape.parse(spec)
+        fn, args = attention_call(shape, np.random.default_rng(0))
+        w = jax.random.normal(jax.random.key(0), (512, 576), jnp.bfloat16) * 0.05
+
+        def step(q, cache, md, w, fn=fn):
+            for _ in range(4):
+                out = fn(q, cache, md)[0]
+                q = jnp.einsum("thl,ld->thd", out, w).astype(q.dtype)
+            return q
+
+        programs = {"call": (fn, args), "chain8": (chained(fn, 8), args),
+                    "step4": (step, (*args, w))}
+        for name, (f, a) in programs.items():
+            rows.append({"shape": shape.name, "program": name,
+                         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                         **profile.command_buffers(f, *a)})
+            log(rows[-1])
+        if i == 0:
+            with open(os.path.join(OUT, "step_hlo.txt"), "w") as f:
+                f.write(jax.jit(step).lower(*args, w).compile().as_text())
+    with open(os.path.join(OUT, "graphs.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def stage_planner(_):
+    _ffi_library()
+    _python(["-m", "jax_mla.bench.planner", os.path.join(OUT, "planner.json")], 300, "planner")
 
 
 STAGES = {name[len("stage_"):]: fn for name, fn in globals().items()
@@ -191,6 +304,8 @@ def main(argv=None) -> int:
         print(f"unknown stages {unknown}; stages: {', '.join(STAGES)}", file=sys.stderr)
         return 2
     os.makedirs(OUT, exist_ok=True)
+    if {"bench", "launcher"} & set(stages):
+        start_peer_build()
     for name in stages:
         log(f"== {name}")
         try:

@@ -266,12 +266,14 @@ _MODE_IDS = {"auto": 0, "line": 1, "even": 2}
 
 def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_blocks=1,
                        mode="auto", target="cuda", launcher=None,
-                       chunks=(128, 128, 128)) -> SplitSchedule:
+                       chunks=None, num_warps=8) -> SplitSchedule:
     """:func:`plan_splits` as one Triton program (``kernels/triton/plan.py``): the same arrays,
     bit for bit, in a single launch instead of XLA's chain of small kernels.
 
-    ``chunks``: requests, programs and works a program handles at once (powers of two); ``target``
-    and ``launcher`` as ``launch.triton_call``. Jittable; nothing is read back to the host.
+    ``chunks``: requests, programs and works a program handles at once (powers of two; by
+    default 128 each, the requests' chunk no wider than the batch needs, at least 16);
+    ``num_warps``: the program's warps; ``target`` and ``launcher`` as ``launch.triton_call``.
+    Jittable; nothing is read back to the host.
     """
     from jax_mla.kernels.triton import plan as plan_kernel  # imports triton: at trace time
 
@@ -283,11 +285,11 @@ def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_
     shapes = [((p + 1,), i32), ((cap, 8), i32), ((1,), i32), ((b + 1,), i32), ((b, 2), i32),
               ((cap,), i32), ((nt,), i32), ((nt, 2), i32),
               ((plan_kernel.scratch_size(b, p),), i32)]
-    cb, cp, cw = chunks
+    cb, cp, cw = chunks or (min(128, max(16, 1 << (b - 1).bit_length())), 128, 128)
     outs = triton_call(
         plan_kernel.mla_plan_kernel, seq_lens.astype(i32), kv_indptr.astype(i32),
         grid=(1,), out_shapes=[jax.ShapeDtypeStruct(s, d) for s, d in shapes],
-        target=target, launcher=launcher, num_warps=8, num_stages=1,
+        target=target, launcher=launcher, num_warps=num_warps, num_stages=1,
         B=b, P=p, NT=nt, QLEN=qlen, BLOCK_N=block_n, MODE=_MODE_IDS[mode],
         OVERHEAD=OVERHEAD_BLOCKS, SLACK_NUM=NO_SPLIT_SLACK[0], SLACK_DEN=NO_SPLIT_SLACK[1],
         EVEN_SLACK=EVEN_SLACK_BLOCKS, GRID=_GRID, CB=cb, CP=cp, CW=cw)
