@@ -23,6 +23,7 @@ from jax_mla.attention import mla_attention
 from jax_mla.backends import available_backends, register_backend, registered_backends
 from jax_mla.backends.triton import PrefillTritonConfig, TritonTuning
 from jax_mla.cache import write_kv_cache
+from jax_mla.checks import checked
 from jax_mla.context import mla_mixed_step, mla_prefill_with_context
 from jax_mla.dcp import (
     DcpMetadata,
@@ -55,6 +56,7 @@ __all__ = [
     "available_backends",
     "build_dcp_metadata",
     "build_decode_metadata",
+    "checked",
     "dcp_local_metadata",
     "dcp_local_seq_lens",
     "dcp_max_local_pages",

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_mla import checks
 from jax_mla import heads as _heads
 from jax_mla.backends import get_backend
 from jax_mla.backends.base import out_dtype
@@ -113,6 +114,20 @@ def _problem(q, kv_cache, md, lr, q_scale, kv_scale, return_lse):
     )
 
 
+def _check_values(kv_cache, md, q_scale, kv_scale) -> None:
+    """The values of the call's arrays (``jax_mla.checks``: eagerly, or under ``checked``)."""
+    if kv_scale is not None:
+        if not is_fp8(kv_cache.dtype):
+            raise ValueError(
+                f"kv_scale is the dequantisation multiplier of an fp8 cache; this cache is "
+                f"{jnp.dtype(kv_cache.dtype).name}: pass kv_scale=None (every backend would "
+                "otherwise have to guess whether to apply it)")
+        checks.scale_values(kv_scale, "kv_scale")
+    if q_scale is not None:
+        checks.scale_values(q_scale, "q_scale")
+    checks.pages_in_cache(md.block_table, md.seq_lens, md.page_size, kv_cache.shape[0])
+
+
 def _check_plan(plan, problem: DecodeProblem, backend: str) -> None:
     if backend not in ("auto", plan.backend):
         raise ValueError(
@@ -167,8 +182,10 @@ def mla_attention(
       ``0 .. seq_lens[b] - Q + t``; a row that sees nothing gives out 0 and lse ``-inf``.
     """
     _check_unsupported(alibi_slopes, sliding_window, logits_soft_cap)
+    scale = checks.static_scale(scale)
     q, lr = split_q(q, kv_lora_rank)
     problem = _problem(q, kv_cache, metadata, lr, q_scale, kv_scale, return_lse)
+    _check_values(kv_cache, metadata, q_scale, kv_scale)
     plan = metadata.plan
     if plan is None:
         _, plan = plan_decode(problem, backend)
@@ -178,8 +195,17 @@ def mla_attention(
                           return_lse=bool(return_lse), plan=plan)
 
 
+def degenerate(md) -> bool:
+    """No request, or no page to read (every length is then 0): every row sees nothing."""
+    return md.num_seqs == 0 or md.max_pages == 0
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "return_lse", "plan"))
 def _mla_attention(q, kv_cache, md, q_scale, kv_scale, *, scale, return_lse, plan):
+    if degenerate(md):  # the documented empty result, on every backend, without a kernel
+        t, h = q.shape[:2]
+        out = jnp.zeros((t, h, plan.problem.kv_lora_rank), out_dtype(q.dtype))
+        return (out, jnp.full((t, h), -jnp.inf, jnp.float32)) if return_lse else out
     impl = get_backend(plan.backend)
     if md.plan is None:  # planned for this call: the plan's arrays are built here, once a trace
         md = md.replace(plan=plan, schedule=impl.schedule(plan, md))

@@ -5,13 +5,18 @@ Layout ``kv_cache [num_pages, page_size, D]`` with ``D = L + R``; each row is ``
 ``slot // page_size``, row ``slot % page_size``. One latent KV head is shared by all query heads.
 
 fp8 caches (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2``) store ``x / k_scale`` with one
-per-tensor float32 scale; readers dequantise with ``x = fp8 * k_scale``.
+per-tensor float32 scale, saturated to the format's largest finite value (as vLLM and AITER
+quantise: a value past the range is stored as that maximum, not as NaN); readers dequantise with
+``x = fp8 * k_scale``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jax_mla import checks
 
 FP8_DTYPES = tuple(
     jnp.dtype(d) for d in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
@@ -43,13 +48,18 @@ def write_kv_cache(kv_cache, kv_c, k_pe, slot_mapping, *, k_scale=None):
       k_pe: ``[N, R]`` (or ``[N, 1, R]``) rotary key part.
       slot_mapping: ``[N]`` int32 flat slots ``page * page_size + row``; ``-1`` (any negative or
         out-of-range slot) is skipped, as vLLM does for padding tokens and for tokens another DCP
-        rank owns.
-      k_scale: per-tensor float32 scale for fp8 caches (default 1.0); ignored otherwise.
+        rank owns. Values that do not fit int32 are an error (they would wrap onto another
+        slot); an int64 array under ``jax_enable_x64`` is compared before any cast.
+      k_scale: per-tensor float32 scale for fp8 caches (default 1.0), finite and > 0; ignored
+        for other caches.
 
     Jittable. To update in place, donate the cache:
     ``step = jax.jit(write_kv_cache, donate_argnums=0)``.
     """
     check_cache(kv_cache)
+    kv_c, k_pe = jnp.asarray(kv_c), jnp.asarray(k_pe)
+    if not isinstance(slot_mapping, jax.Array):  # lists too; NumPy keeps int64 for the check
+        slot_mapping = np.asarray(slot_mapping)
     if k_pe.ndim == 3 and k_pe.shape[1] == 1:
         k_pe = k_pe[:, 0]
     if kv_c.ndim != 2 or k_pe.ndim != 2:
@@ -69,6 +79,16 @@ def write_kv_cache(kv_cache, kv_c, k_pe, slot_mapping, *, k_scale=None):
         )
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise TypeError(f"slot_mapping must be an integer array, got {slot_mapping.dtype}")
+    if checks.is_concrete(slot_mapping) and slot_mapping.size:
+        s = np.asarray(slot_mapping)
+        wide = (s < np.iinfo(np.int32).min) | (s > np.iinfo(np.int32).max)
+        if wide.any():
+            i = int(np.argmax(wide))
+            raise ValueError(
+                f"slot_mapping[{i}] = {int(s[i])} does not fit int32: slots are page * page_size "
+                f"+ row < {kv_cache.shape[0] * kv_cache.shape[1]} (negative: skipped)")
+    if k_scale is not None and is_fp8(kv_cache.dtype):
+        checks.scale_values(k_scale, "k_scale")
     return _write(kv_cache, kv_c, k_pe, slot_mapping, k_scale)
 
 
@@ -78,19 +98,22 @@ def _write(kv_cache, kv_c, k_pe, slot_mapping, k_scale):
     rows = jnp.concatenate([kv_c, k_pe], axis=-1)
     rows = quantize(rows, kv_cache.dtype, k_scale)
     cap = num_pages * page_size
-    slots = slot_mapping.astype(jnp.int32)
-    # Skipped slots are pointed past the end and dropped by the scatter.
-    slots = jnp.where((slots < 0) | (slots >= cap), cap, slots)
+    # Skipped slots are pointed past the end and dropped by the scatter (compared in the slots'
+    # own width, then cast: nothing wraps onto a real slot).
+    skip = (slot_mapping < 0) | (slot_mapping >= cap)
+    slots = jnp.where(skip, cap, slot_mapping).astype(jnp.int32)
     flat = kv_cache.reshape(cap, d).at[slots].set(rows, mode="drop")
     return flat.reshape(num_pages, page_size, d)
 
 
 def quantize(x, dtype, scale=None):
-    """Cast ``x`` to the cache dtype; fp8 stores ``x / scale`` (scale defaults to 1.0)."""
+    """Cast ``x`` to the cache dtype; fp8 stores ``x / scale`` (scale defaults to 1.0),
+    saturated to the format's finite range (NaN stays NaN)."""
     dtype = jnp.dtype(dtype)
     if is_fp8(dtype):
         s = jnp.float32(1.0) if scale is None else jnp.asarray(scale, jnp.float32)
-        return (x.astype(jnp.float32) / s).astype(dtype)
+        top = float(jnp.finfo(dtype).max)
+        return jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(dtype)
     return x.astype(dtype)
 
 

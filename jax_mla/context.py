@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_mla import checks
 from jax_mla.attention import mla_attention
 from jax_mla.cache import FLOAT_DTYPES, check_cache, dequantize
 from jax_mla.merge import merge_attn_states
@@ -112,6 +113,9 @@ def _check_prefill_inputs(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu
         raise ValueError(
             f"cu_seqlens must be [B + 1 = {b + 1}], got shape {tuple(cu_seqlens.shape)}")
     check_cu_seqlens(cu_seqlens, t, "cu_seqlens")
+    checks.seq_lens_in_capacity(context_lens, block_table.shape[1] * kv_cache.shape[1],
+                                name="context_lens")
+    checks.pages_in_cache(block_table, context_lens, kv_cache.shape[1], kv_cache.shape[0])
     if not isinstance(workspace_tokens, int) or workspace_tokens < b:
         raise ValueError(
             f"workspace_tokens must be an int >= B={b} (each request with context needs a chunk "

@@ -106,4 +106,6 @@ def build_decode_metadata(
     impl, plan = plan_decode(problem, backend, tuning=tuning, options=options)
     md = checked_views(block_table, seq_lens, page_size=page_size, qlen=qlen,
                        flat_capacity=flat_capacity, views=impl.views)
+    if md.num_seqs == 0 or md.max_pages == 0:  # nothing to schedule: no kernel will run
+        return md.replace(plan=plan)
     return md.replace(plan=plan, schedule=impl.schedule(plan, md))

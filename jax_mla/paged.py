@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mla import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeMetadata:
@@ -150,15 +152,13 @@ def check_inputs(block_table, seq_lens, page_size, qlen, flat_capacity):
     if flat_capacity is not None and flat_capacity < 0:
         raise ValueError(f"flat_capacity must be >= 0, got {flat_capacity}")
     cap = block_table.shape[1] * page_size
-    if _is_concrete(seq_lens):
-        s = np.asarray(seq_lens)
-        if s.size and (s.min() < 0 or s.max() > cap):
-            raise ValueError(
-                f"seq_lens must lie in [0, max_pages * page_size = {cap}], got "
-                f"min {s.min()} max {s.max()}"
-            )
-        if flat_capacity is not None and s.sum() > flat_capacity:
-            raise ValueError(f"sum(seq_lens)={s.sum()} exceeds flat_capacity={flat_capacity}")
+    checks.seq_lens_in_capacity(seq_lens, cap)
+    if flat_capacity is not None and seq_lens.size and (
+            checks.is_concrete(seq_lens) or checks.checking()):
+        total = jnp.sum(seq_lens)
+        checks.expect(total <= flat_capacity,
+                      f"sum(seq_lens) = {{total}} exceeds flat_capacity={flat_capacity}",
+                      total=total)
 
 
 #: The optional views: ``"pages"`` (FlashInfer's page-level view), ``"flat"`` (AITER's

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mla import checks
 from jax_mla.backends import get_backend, require_available, resolve_backend
 from jax_mla.cache import FLOAT_DTYPES
 from jax_mla.problem import Target, detect_target
@@ -48,6 +49,16 @@ def check_cu_seqlens(cu, num_rows: int, name: str, max_seqlen: int | None = None
         raise TypeError(f"{name} must be an integer array (int32), got {cu.dtype}")
     c = _concrete(cu)
     if c is None:
+        if checks.checking():  # under jax_mla.checked: the same rules, checked on the device
+            d = jnp.diff(cu)
+            checks.expect((cu[0] == 0) & jnp.all(d >= 0) & (cu[-1] <= num_rows),
+                          f"{name} must start at 0, be non-decreasing and end at most at "
+                          f"{num_rows} (the number of packed rows); got first {{first}}, last "
+                          f"{{last}}, smallest step {{step}}", first=cu[0], last=cu[-1],
+                          step=jnp.min(d))
+            if max_seqlen is not None:
+                checks.expect(jnp.max(d) <= max_seqlen, f"{name} has a sequence of length "
+                              f"{{n}} > max_seqlen={max_seqlen}", n=jnp.max(d))
         return
     lens = np.diff(c)
     if c[0] != 0 or (lens < 0).any() or c[-1] > num_rows:

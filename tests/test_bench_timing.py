@@ -219,3 +219,36 @@ ENTRY %main (x: f32[4]) -> f32[4] {
     monkeypatch.setattr(profile.jax, "jit", lambda fn: Fake())
     assert profile.command_buffers(None) == {"command_buffers": 2, "custom_calls": 3,
                                              "custom_calls_in_command_buffers": 2}
+
+
+def test_quick_bench_is_a_cpu_smoke_run(tmp_path):
+    """``python -m jax_mla.bench --quick`` on a CPU: no ceiling probes (a 1 GiB copy and an
+    8192^2 matmul took 9.7 GB), under 2 GB of memory, results under the temp directory and
+    nothing where it runs. (It took 33 s on the 2-core dev machine; the timeout only guards
+    against a runaway, it is not a speed claim.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    run_dir, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    run_dir.mkdir()
+    tmp.mkdir()
+    # A user's shell, not this test process's environment (which earlier tests may have set).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
+    env.update(TMPDIR=str(tmp), PYTHONPATH=root)
+    script = ("import resource, runpy, sys\n"
+              "sys.argv = ['jax_mla.bench', '--quick']\n"
+              "try:\n    runpy.run_module('jax_mla.bench', run_name='__main__')\n"
+              "except SystemExit as e:\n    assert not e.code, e.code\n"
+              "print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    res = subprocess.run([sys.executable, "-c", script], cwd=run_dir, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "no ceiling probes" in res.stdout
+    peak_kib = int(res.stdout.split("peak_kib")[-1])
+    assert peak_kib < 2 * 1024 * 1024, f"{peak_kib / 1024:.0f} MiB"
+    assert not any(run_dir.iterdir())
+    rows = json.loads((tmp / "jax_mla_bench" / "decode.json").read_text())["rows"]
+    assert {r["backend"] for r in rows} >= {"xla"} and all("error" not in r for r in rows)

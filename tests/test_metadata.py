@@ -83,7 +83,8 @@ def test_flat_capacity_and_errors():
     assert md.flat_capacity == 5
     with pytest.raises(ValueError, match="flat_capacity"):
         jax_mla.build_decode_metadata(table, jnp.array([2, 4]), page_size=2, flat_capacity=5)
-    with pytest.raises(ValueError, match=r"seq_lens must lie in \[0, max_pages \* page_size = 6\]"):
+    with pytest.raises(ValueError,
+                       match=r"seq_lens\[1\] = 7 must lie in \[0, 6\] \(max_pages \* page_size"):
         jax_mla.build_decode_metadata(table, jnp.array([2, 7]), page_size=2)
     with pytest.raises(TypeError, match="block_table must be an integer"):
         jax_mla.build_decode_metadata(table.astype(jnp.float32), jnp.array([1, 1]), page_size=2)

@@ -75,7 +75,7 @@ def target_shapes(quick: bool = False) -> list[Shape]:
     """The decode grid: 16 heads (memory-bound) and 128 heads (compute-bound), page 1, verify,
     varlen, B=1 latency, 32 and 64 heads, and fp8 caches."""
     if quick:
-        return [Shape(4, 16, 1024), Shape(4, 128, 1024), Shape(4, 16, 1024, qlen=2, page=1)]
+        return [Shape(4, 16, 256), Shape(4, 128, 256), Shape(4, 16, 256, qlen=2, page=1)]
     s = [Shape(b, 16, n, tag="h16") for b in (32, 64, 128) for n in (4096, 8192, 32768)]
     s += [Shape(128, 128, n, tag="h128") for n in (4096, 8192)] + [Shape(8, 128, 32768, tag="h128")]
     s += [Shape(64, 16, 4096, page=1, tag="page1"), Shape(128, 128, 4096, page=1, tag="page1")]

@@ -13,6 +13,7 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`;
+- ``memcheck``: the bad-value tests and the launcher's GPU test under compute-sanitizer;
 - ``graphs``: the command buffers XLA forms around our launches (:data:`GRAPH_SHAPES`);
 - ``planner``: a step's metadata on the GPU, and the planning kernel's knobs
   (``python -m jax_mla.bench.planner``);
@@ -283,6 +284,28 @@ def stage_graphs(_):
                 f.write(jax.jit(step).lower(*args, w).compile().as_text())
     with open(os.path.join(OUT, "graphs.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def stage_memcheck(_):
+    """The bad-value tests (deliberately out-of-range block tables included) and the launcher's
+    GPU test under ``compute-sanitizer --tool memcheck``: its log to ``memcheck.txt``."""
+    lib = _ffi_library()
+    path = os.path.join(OUT, "memcheck.txt")
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
+           "--log-file", path, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "tests/test_bad_values.py", "tests/test_ffi_launch.py::"
+           "test_ffi_and_jax_triton_launchers_agree_on_the_gpu"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(JAX_MLA_FFI_LIBRARY=lib, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
+        rc, text = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = -1, f"TIMEOUT\n{e.stdout or ''}"
+    tail = [ln for ln in str(text).strip().splitlines() if ln.strip()][-6:]
+    summary = [ln for ln in open(path).read().splitlines() if "ERROR SUMMARY" in ln] \
+        if os.path.exists(path) else []
+    log(f"memcheck rc={rc} {summary}\n  " + "\n  ".join(tail))
 
 
 def stage_planner(_):

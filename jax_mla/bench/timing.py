@@ -68,26 +68,40 @@ def _wall(f, args):
 # Shortest chained program, in ms: the program's own dispatch and final sync (~50-100 us on a GPU)
 # are spread over its calls, so short programs read slow. The bench uses 20 (``--min-ms``).
 MIN_MS = 3.0
+# Repetitions (median), and the calls of the one-call estimate; a smoke run (``--quick``, where
+# a call in Triton's interpreter costs seconds) sets both to 1 through :func:`smoke`.
+REPS = 5
+EST_CALLS = 3
 
 
-def device_time(fn, *args, min_ms: float | None = None, reps: int = 5, max_n: int = 128) -> float:
+def smoke() -> None:
+    """Time as little as can still be called a timing: one repetition, the shortest chain."""
+    global REPS, EST_CALLS, MIN_MS
+    REPS, EST_CALLS, MIN_MS = 1, 1, 0.0
+
+
+def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
+                max_n: int = 128) -> float:
     """Median seconds per call of ``fn(*args)`` (see the module docstring)."""
     min_ms = MIN_MS if min_ms is None else min_ms
+    reps = REPS if reps is None else reps
     one = jax.jit(fn)
     jax.block_until_ready(one(*args))
-    est = min(_wall(one, args) for _ in range(3))
+    est = min(_wall(one, args) for _ in range(EST_CALLS))
     n = int(max(2, min(max_n, (min_ms * 1e-3) // max(est, 1e-6))))
     many = chained(fn, n)
     jax.block_until_ready(many(*args))
     return statistics.median(_wall(many, args) for _ in range(reps)) / n
 
 
-def dispatch_time(fn, *args, n: int = 50, reps: int = 3) -> float:
+def dispatch_time(fn, *args, n: int | None = None, reps: int | None = None) -> float:
     """Seconds per call of ``n`` back-to-back jitted calls with one sync at the end.
 
     An upper bound on GPU time (exact once a call's GPU time exceeds its ~40 us host dispatch):
     the cross-check of :func:`device_time`.
     """
+    n = (50 if REPS > 1 else 2) if n is None else n
+    reps = min(3, REPS) if reps is None else reps
     f = jax.jit(fn)
     jax.block_until_ready(f(*args))
 

@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_mla import checks
 from jax_mla.attention import mla_attention, split_q
 from jax_mla.backends import get_backend
 from jax_mla.cache import check_cache, is_fp8, write_kv_cache
@@ -262,6 +263,10 @@ def build_dcp_metadata(block_tables, seq_lens, *, mesh: Mesh, page_size: int, nu
         raise ValueError(f"qlen must be a positive int, got {qlen!r}")
     block_tables, seq_lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
     _check_tables(block_tables, seq_lens, n)
+    checks.seq_lens_in_capacity(
+        seq_lens, n * block_tables.shape[2] * page_size,
+        capacity_is=f"the world size {n} x max_pages_local {block_tables.shape[2]} x page_size "
+                    f"{page_size}: what the sharded tables hold")
     if num_heads % (n * tp):
         raise ValueError(
             f"q has H_total={num_heads} heads, not divisible by the DCP world size {n} times the "
@@ -406,9 +411,25 @@ def dcp_mla_attention(
             q_dtype=q.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=lr,
             rope_dim=q.shape[-1] - lr, backend=backend)
     _check_dcp_inputs(q, kv_cache, md.row_lens, None, n, tp, md.qlen, md.interleave)
+    _check_dcp_values(kv_cache, md, n, kv_scale, q_scale)
     return _dcp_mla_attention(
         q, kv_cache, md, kv_scale, q_scale, mesh=mesh, scale=float(scale), head_axis=head_axis,
         combine=combine, backend=backend, return_lse=bool(return_lse), kv_lora_rank=lr)
+
+
+def _check_dcp_values(kv_cache, md, n, kv_scale, q_scale):
+    """Scales, and every rank's pages against its local cache (``jax_mla.checks``)."""
+    if kv_scale is not None:
+        if not is_fp8(kv_cache.dtype):
+            raise ValueError(
+                f"kv_scale is the dequantisation multiplier of an fp8 cache; this cache is "
+                f"{jnp.dtype(kv_cache.dtype).name}: pass kv_scale=None")
+        checks.scale_values(kv_scale, "kv_scale")
+    if q_scale is not None:
+        checks.scale_values(q_scale, "q_scale")
+    bt, lens = md.local.block_table, md.local.seq_lens  # [N, rows, pages], [N, rows]
+    checks.pages_in_cache(bt.reshape(-1, bt.shape[-1]), lens.reshape(-1), kv_cache.shape[1],
+                          kv_cache.shape[0] // n, name="block_tables", ranks=n)
 
 
 def _check_dcp_inputs(q, kv_cache, tables_or_row_lens, seq_lens, n, tp, qlen, interleave):

@@ -53,7 +53,7 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     upcast = plan.interpret
     prow = sched.max_works * md.qlen
     shape = dict(num_heads=h, qlen=md.qlen, page_size=md.page_size, max_pages=md.max_pages,
-                 kv_lora_rank=lr, rope_dim=rd, scale=scale)
+                 kv_lora_rank=lr, rope_dim=rd, scale=scale, num_pages=kv_cache.shape[0])
     if cfg.sm90:
         kernel = _sm90_kernels().mla_decode_sm90_kernel
         consts = sm90_constexprs(cfg, **shape)
@@ -78,32 +78,39 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
                            target=target, launcher=launcher)
 
 
+UNKNOWN_PAGES = 2**31 - 1  # NUM_PAGES when the cache is not known (compile reports)
+
+
 def _problem_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages,
-                        kv_lora_rank, rope_dim, scale) -> dict:
-    """The compile-time arguments both decode kernels take (the same launch contract)."""
+                        kv_lora_rank, rope_dim, scale, num_pages=None) -> dict:
+    """The compile-time arguments both decode kernels take (the same launch contract).
+    ``num_pages``: the cache's pages, into which the kernels clamp every page index (None:
+    :data:`UNKNOWN_PAGES`, which only clamps negative ones)."""
     return dict(
         QK_SCALE=float(scale * LOG2E), H=num_heads, MAX_PAGES=max_pages, Q=qlen,
         HB=cfg.heads_per_block, NUM_HB=cfg.num_head_blocks, L=kv_lora_rank, R=rope_dim,
-        PAGE_SIZE=page_size, L2_HINTS=cfg.l2_hints)
+        PAGE_SIZE=page_size, L2_HINTS=cfg.l2_hints,
+        NUM_PAGES=UNKNOWN_PAGES if num_pages is None else int(num_pages))
 
 
 def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
-                      rope_dim, scale, has_kv_scale=False, upcast=False, ieee=False) -> dict:
+                      rope_dim, scale, has_kv_scale=False, upcast=False, ieee=False,
+                      num_pages=None) -> dict:
     """The Triton decode kernel's compile-time arguments for tile ``cfg`` and one problem."""
     return _problem_constexprs(
         cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
-        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale) | dict(
+        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale, num_pages=num_pages) | dict(
         BLOCK_M=cfg.block_m, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(rope_dim),
         BLOCK_N=cfg.block_n, TILE_IN_PAGE=page_size % cfg.block_n == 0,
         HAS_KV_SCALE=has_kv_scale, UPCAST=upcast, IEEE=ieee, WG_SPLIT=cfg.wg_split)
 
 
 def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
-                    rope_dim, scale) -> dict:
+                    rope_dim, scale, num_pages=None) -> dict:
     """The Gluon sm_90 kernel's compile-time arguments (its tiles are 64 tokens)."""
     return _problem_constexprs(
         cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
-        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale) | dict(
+        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale, num_pages=num_pages) | dict(
         TILE_IN_PAGE=page_size % 64 == 0)
 
 

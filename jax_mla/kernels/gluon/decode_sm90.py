@@ -87,15 +87,18 @@ def _views(sQn3, sQr3, sKn, sKr, counter):
 
 @gluon.jit
 def _chunk_rows(bt_row, start, hi, r0: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                TILE_IN_PAGE: gl.constexpr, layout: gl.constexpr):
+                TILE_IN_PAGE: gl.constexpr, layout: gl.constexpr, NUM_PAGES: gl.constexpr):
     """Flat cache rows (int32) of positions ``start + r0 .. + CHUNK``, clamped into the request
-    (the copies zero-fill positions past ``hi``; see ``_load_part``)."""
+    (the copies zero-fill positions past ``hi``; see ``_load_part``), page indices clamped into
+    ``[0, NUM_PAGES)`` (as the Triton kernel's ``_kv_rows``)."""
     last = gl.maximum(hi - 1, 0)
     pos = gl.minimum(start + r0 + gl.arange(0, CHUNK, layout=layout), last)
     if TILE_IN_PAGE:
         phys = gl.load(bt_row + gl.minimum(start, last) // PAGE_SIZE)
+        phys = gl.minimum(gl.maximum(phys, 0), NUM_PAGES - 1)
         return phys * PAGE_SIZE + (pos % PAGE_SIZE)
     phys = gl.load(bt_row + pos // PAGE_SIZE)
+    phys = gl.minimum(gl.maximum(phys, 0), NUM_PAGES - 1)
     if PAGE_SIZE == 1:
         return phys
     return phys * PAGE_SIZE + (pos % PAGE_SIZE)
@@ -103,16 +106,16 @@ def _chunk_rows(bt_row, start, hi, r0: gl.constexpr, PAGE_SIZE: gl.constexpr,
 
 @gluon.jit
 def _tile_rows(bt_row, start, hi, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
-               LOAD: gl.constexpr):
+               LOAD: gl.constexpr, NUM_PAGES: gl.constexpr):
     """The cache rows of the tile at ``start``, as four 16-row chunks in the copy layout.
 
     Read from the block table a pair ahead of the copies that use them: a copy waits for its
     addresses, so a table read just before it would put an L2 round trip on every tile."""
     layout: gl.constexpr = gl.SliceLayout(1, LOAD)
-    return (_chunk_rows(bt_row, start, hi, 0, PAGE_SIZE, TILE_IN_PAGE, layout),
-            _chunk_rows(bt_row, start, hi, CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout),
-            _chunk_rows(bt_row, start, hi, 2 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout),
-            _chunk_rows(bt_row, start, hi, 3 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout))
+    return (_chunk_rows(bt_row, start, hi, 0, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
+            _chunk_rows(bt_row, start, hi, CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
+            _chunk_rows(bt_row, start, hi, 2 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
+            _chunk_rows(bt_row, start, hi, 3 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES))
 
 
 @gluon.jit
@@ -156,7 +159,7 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
           sQn3, sQr3, sKn, sKr, sM0, sS0, sM1, sS1, bars,
           H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
           L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
-          L2_HINTS: gl.constexpr):
+          L2_HINTS: gl.constexpr, NUM_PAGES: gl.constexpr):
     """One warpgroup's part of every work of this program (``ROLE`` 0 or 1, see the module)."""
     D: gl.constexpr = L + R
     LH: gl.constexpr = L // 2
@@ -214,8 +217,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             async_copy.mbarrier_arrive(qbar, increment_count=False)
         # Pair 0 of this work: each role copies the regions it is the last reader of.
         if n_pairs > 0:
-            rows_a = _tile_rows(bt_row, lo, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD)
-            rows_b = _tile_rows(bt_row, lo + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD)
+            rows_a = _tile_rows(bt_row, lo, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
+            rows_b = _tile_rows(bt_row, lo + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
             if ROLE == 0:
                 _load_part(sKn0.slice(0, LH, dim=1), kv_ptr, rows_a, lo, hi, 0, LH, D, LOAD)
                 async_copy.mbarrier_arrive(full0, increment_count=False)
@@ -241,8 +244,9 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             nxt = lo + (2 * j + 2) * BLOCK_N  # the next pair's first tile
             ph = pc & 1
             # The next pair's cache rows, read now so that its copies need not wait for them.
-            nrows_a = _tile_rows(bt_row, nxt, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD)
-            nrows_b = _tile_rows(bt_row, nxt + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD)
+            nrows_a = _tile_rows(bt_row, nxt, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
+            nrows_b = _tile_rows(bt_row, nxt + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD,
+                                 NUM_PAGES)
             sQn, sQr, sKn0, sKr0, sKn1, sKr1 = _views(sQn3, sQr3, sKn, sKr, pc)
             if ROLE == 0:
                 sKn_me = sKn0
@@ -389,6 +393,7 @@ def mla_decode_sm90_kernel(
     QK_SCALE: gl.constexpr, H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr,
     HB: gl.constexpr, NUM_HB: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
     PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr, L2_HINTS: gl.constexpr = False,
+    NUM_PAGES: gl.constexpr = 2147483647,
 ):
     """Grid: persistent programs x head blocks, head block fastest (as the Triton kernel).
     Launched with 4 warps (warpgroup 0); warpgroup 1 is the worker partition."""
@@ -420,9 +425,9 @@ def mla_decode_sm90_kernel(
         [(_role, (gl.constexpr(0), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr, sKn, sKr,
                   sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R, PAGE_SIZE,
-                  TILE_IN_PAGE, L2_HINTS)),
+                  TILE_IN_PAGE, L2_HINTS, NUM_PAGES)),
          (_role, (gl.constexpr(1), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr, sKn, sKr,
                   sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R, PAGE_SIZE,
-                  TILE_IN_PAGE, L2_HINTS))],
+                  TILE_IN_PAGE, L2_HINTS, NUM_PAGES))],
         [4], [232])

@@ -47,16 +47,21 @@ def _dot0(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _kv_rows(bt_row_ptr, start, pos, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr):
+def _kv_rows(bt_row_ptr, start, pos, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+             NUM_PAGES: tl.constexpr):
     """Flat cache row (int64) of each logical position through the block table.
 
-    Callers clamp ``start`` and ``pos`` into the request, so every table read is in bounds.
+    Callers clamp ``start`` and ``pos`` into the request, so every table read is in bounds; a
+    page index outside ``[0, NUM_PAGES)`` is clamped into it (the unchecked semantics of
+    ``docs/design.md``, as XLA's gather), so no cache read is out of bounds either.
     """
     if TILE_IN_PAGE:
         # Tiles start on a multiple of BLOCK_N, which divides the page: one table load.
         phys = tl.load(bt_row_ptr + start // PAGE_SIZE).to(tl.int64)
+        phys = tl.minimum(tl.maximum(phys, 0), NUM_PAGES - 1)
         return phys * PAGE_SIZE + (pos % PAGE_SIZE)
     phys = tl.load(bt_row_ptr + pos // PAGE_SIZE).to(tl.int64)
+    phys = tl.minimum(tl.maximum(phys, 0), NUM_PAGES - 1)
     if PAGE_SIZE == 1:
         return phys
     return phys * PAGE_SIZE + (pos % PAGE_SIZE)
@@ -90,7 +95,7 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
             L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
             EVEN_L: tl.constexpr, EVEN_R: tl.constexpr, MASKED: tl.constexpr,
-            UPCAST: tl.constexpr, IEEE: tl.constexpr):
+            UPCAST: tl.constexpr, IEEE: tl.constexpr, NUM_PAGES: tl.constexpr):
     """Online softmax of the query rows over KV positions ``lo .. hi`` (tiles of BLOCK_N).
 
     Unmasked (``MASKED`` false): every position of every tile is below ``hi`` and below every
@@ -102,14 +107,14 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
     last = tl.maximum(hi - 1, 0)
     # Rows of the first tile; each iteration then reads the table for the next one.
     rows = _kv_rows(bt_row, tl.minimum(lo, last), tl.minimum(lo + offs_n, last), PAGE_SIZE,
-                    TILE_IN_PAGE)
+                    TILE_IN_PAGE, NUM_PAGES)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
         k_nope, k_pe = _load_kv(kv_ptr, rows, offs_l, offs_r, valid, L, R, EVEN_L, EVEN_R,
                                 MASKED)
         rows = _kv_rows(bt_row, tl.minimum(start + BLOCK_N, last),
-                        tl.minimum(pos + BLOCK_N, last), PAGE_SIZE, TILE_IN_PAGE)
+                        tl.minimum(pos + BLOCK_N, last), PAGE_SIZE, TILE_IN_PAGE, NUM_PAGES)
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -142,7 +147,7 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
                  BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
                  HAS_KV_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 L2_HINTS: tl.constexpr):
+                 L2_HINTS: tl.constexpr, NUM_PAGES: tl.constexpr):
     """Work ``w`` (one KV range of one request) for head block ``hb``."""
     D: tl.constexpr = L + R
     EVEN_L: tl.constexpr = BLOCK_L == L
@@ -181,10 +186,10 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
     full = lo + (tl.maximum(tl.minimum(hi, seq - Q + 1) - lo, 0) // BLOCK_N) * BLOCK_N
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, full, bound,
                             qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
-                            EVEN_L, EVEN_R, False, UPCAST, IEEE)
+                            EVEN_L, EVEN_R, False, UPCAST, IEEE, NUM_PAGES)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, full, hi, bound,
                             qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
-                            EVEN_L, EVEN_R, True, UPCAST, IEEE)
+                            EVEN_L, EVEN_R, True, UPCAST, IEEE, NUM_PAGES)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -216,7 +221,7 @@ def mla_decode_kernel(
     R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, WG_SPLIT: tl.constexpr = False,
-    L2_HINTS: tl.constexpr = False,
+    L2_HINTS: tl.constexpr = False, NUM_PAGES: tl.constexpr = 2147483647,
 ):
     # WG_SPLIT is read by the compiler wrapper, not here: on CUDA it splits the score tile's
     # columns between the two warpgroups of a 64-row, 8-warp program (backends/triton/compiler.py).
@@ -236,7 +241,7 @@ def mla_decode_kernel(
         _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale, kv_scale,
                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H, MAX_PAGES, Q, HB, BLOCK_M,
                      L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE, HAS_KV_SCALE,
-                     UPCAST, IEEE, L2_HINTS)
+                     UPCAST, IEEE, L2_HINTS, NUM_PAGES)
 
 
 @triton.jit
