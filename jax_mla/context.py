@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jax_mla import checks
 from jax_mla.attention import mla_attention
-from jax_mla.cache import FLOAT_DTYPES, check_cache, dequantize
+from jax_mla.cache import FLOAT_DTYPES, check_cache, dequantize, is_fp8
 from jax_mla.merge import merge_attn_states
 from jax_mla.paged import DecodeMetadata, expand_indptr, flat_slot_ids
 from jax_mla.prefill import check_cu_seqlens, prefill_attention, resolve_prefill
@@ -174,10 +174,16 @@ def mla_prefill_with_context(
         jnp.asarray(a) for a in (q, kv_c_normed, k_pe, block_table, context_lens, cu_seqlens))
     k_pe, nope = _check_prefill_inputs(q, kv_c_normed, k_pe, kv_cache, block_table, context_lens,
                                        cu_seqlens, kv_b_proj, workspace_tokens)
+    if k_scale is not None:
+        if not is_fp8(kv_cache.dtype):
+            raise ValueError(
+                f"k_scale is the dequantisation multiplier of an fp8 cache; this cache is "
+                f"{jnp.dtype(kv_cache.dtype).name}: pass k_scale=None")
+        checks.scale_values(k_scale, "k_scale")
     impl, target = resolve_prefill(backend, q, q, q, config)
     out, lse = _prefill_with_context(
         q, kv_c_normed, k_pe, kv_cache, block_table, context_lens, cu_seqlens, kv_b_proj,
-        k_scale, scale=float(scale), workspace_tokens=workspace_tokens, nope=nope,
+        k_scale, scale=checks.static_scale(scale), workspace_tokens=workspace_tokens, nope=nope,
         backend=impl.name, target=target, max_seqlen=max_seqlen, config=config)
     return (out, lse) if return_lse else out
 

@@ -169,7 +169,7 @@ def mla_prefill(
         check_cu_seqlens(cu_k, tk, "cu_seqlens_k", max_seqlen_k)
     impl, target = resolve_prefill(backend, q, k, v, config)
     out, lse = _mla_prefill(
-        q, k, v, cu_q, None if cu_seqlens_k is None else cu_k, scale=float(scale),
+        q, k, v, cu_q, None if cu_seqlens_k is None else cu_k, scale=checks.static_scale(scale),
         causal=bool(causal), backend=impl.name, target=target, max_seqlen=int(max_seqlen or t),
         max_seqlen_k=int(max_seqlen_k or tk), config=config, return_lse=bool(return_lse))
     return (out, lse) if return_lse else out

@@ -259,3 +259,22 @@ def test_checked_cu_seqlens_under_jit():
         with pytest.raises(checkify.JaxRuntimeError, match="cu_seqlens must start at 0, be "
                            "non-decreasing and end at most at 6"):
             run(jnp.array(cu))[0].throw()
+
+
+def test_prefill_scales_are_checked_like_decode(rng):
+    from jax_mla import mla_prefill_with_context
+
+    q = jnp.ones((6, 2, 16))
+    for bad in (float("nan"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="scale must be finite and > 0"):
+            jax_mla.mla_prefill(q, q, q, jnp.array([0, 2, 6]), scale=bad)
+    cache = jnp.ones((4, PS, 24))
+    args = (jnp.ones((4, 2, 16)), jnp.ones((4, 16)), jnp.ones((4, 8)), cache,
+            jnp.zeros((2, 2), jnp.int32), jnp.array([3, 0]), jnp.array([0, 2, 4]),
+            jnp.ones((16, 2, 16)))
+    with pytest.raises(ValueError, match="k_scale is the dequantisation multiplier of an fp8 "
+                       "cache; this cache is float32"):
+        mla_prefill_with_context(*args, scale=0.3, workspace_tokens=8, k_scale=2.0)
+    with pytest.raises(ValueError, match="k_scale must be finite and > 0"):
+        mla_prefill_with_context(*args[:3], cache.astype(jnp.float8_e4m3fn), *args[4:],
+                                 scale=0.3, workspace_tokens=8, k_scale=0.0)

@@ -413,8 +413,9 @@ def dcp_mla_attention(
     _check_dcp_inputs(q, kv_cache, md.row_lens, None, n, tp, md.qlen, md.interleave)
     _check_dcp_values(kv_cache, md, n, kv_scale, q_scale)
     return _dcp_mla_attention(
-        q, kv_cache, md, kv_scale, q_scale, mesh=mesh, scale=float(scale), head_axis=head_axis,
-        combine=combine, backend=backend, return_lse=bool(return_lse), kv_lora_rank=lr)
+        q, kv_cache, md, kv_scale, q_scale, mesh=mesh, scale=checks.static_scale(scale),
+        head_axis=head_axis, combine=combine, backend=backend, return_lse=bool(return_lse),
+        kv_lora_rank=lr)
 
 
 def _check_dcp_values(kv_cache, md, n, kv_scale, q_scale):
