@@ -116,13 +116,7 @@ def _problem(q, kv_cache, md, lr, q_scale, kv_scale, return_lse):
 
 def _check_values(kv_cache, md, q_scale, kv_scale) -> None:
     """The values of the call's arrays (``jax_mla.checks``: eagerly, or under ``checked``)."""
-    if kv_scale is not None:
-        if not is_fp8(kv_cache.dtype):
-            raise ValueError(
-                f"kv_scale is the dequantisation multiplier of an fp8 cache; this cache is "
-                f"{jnp.dtype(kv_cache.dtype).name}: pass kv_scale=None (every backend would "
-                "otherwise have to guess whether to apply it)")
-        checks.scale_values(kv_scale, "kv_scale")
+    checks.cache_scale(kv_scale, kv_cache.dtype, is_fp8(kv_cache.dtype), "kv_scale")
     if q_scale is not None:
         checks.scale_values(q_scale, "q_scale")
     checks.pages_in_cache(md.block_table, md.seq_lens, md.page_size, kv_cache.shape[0])

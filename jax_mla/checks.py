@@ -117,6 +117,18 @@ def scale_values(value, name: str) -> None:
            value=v[jnp.argmax(bad)])
 
 
+def cache_scale(scale, cache_dtype, fp8: bool, name: str) -> None:
+    """The dequantisation multiplier of a cache (``kv_scale``, ``k_scale``): only with an fp8
+    cache (``fp8``; every backend would otherwise have to guess whether to apply it), finite
+    and > 0."""
+    if scale is None:
+        return
+    if not fp8:
+        raise ValueError(f"{name} is the dequantisation multiplier of an fp8 cache; this cache "
+                         f"is {jnp.dtype(cache_dtype).name}: pass {name}=None")
+    scale_values(scale, name)
+
+
 def seq_lens_in_capacity(seq_lens, capacity: int, name: str = "seq_lens",
                          capacity_is: str = "max_pages * page_size of the block table") -> None:
     """Lengths in ``[0, capacity]`` (by default ``max_pages * page_size`` of the block table)."""

@@ -174,12 +174,7 @@ def mla_prefill_with_context(
         jnp.asarray(a) for a in (q, kv_c_normed, k_pe, block_table, context_lens, cu_seqlens))
     k_pe, nope = _check_prefill_inputs(q, kv_c_normed, k_pe, kv_cache, block_table, context_lens,
                                        cu_seqlens, kv_b_proj, workspace_tokens)
-    if k_scale is not None:
-        if not is_fp8(kv_cache.dtype):
-            raise ValueError(
-                f"k_scale is the dequantisation multiplier of an fp8 cache; this cache is "
-                f"{jnp.dtype(kv_cache.dtype).name}: pass k_scale=None")
-        checks.scale_values(k_scale, "k_scale")
+    checks.cache_scale(k_scale, kv_cache.dtype, is_fp8(kv_cache.dtype), "k_scale")
     impl, target = resolve_prefill(backend, q, q, q, config)
     out, lse = _prefill_with_context(
         q, kv_c_normed, k_pe, kv_cache, block_table, context_lens, cu_seqlens, kv_b_proj,

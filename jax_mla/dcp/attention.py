@@ -420,12 +420,7 @@ def dcp_mla_attention(
 
 def _check_dcp_values(kv_cache, md, n, kv_scale, q_scale):
     """Scales, and every rank's pages against its local cache (``jax_mla.checks``)."""
-    if kv_scale is not None:
-        if not is_fp8(kv_cache.dtype):
-            raise ValueError(
-                f"kv_scale is the dequantisation multiplier of an fp8 cache; this cache is "
-                f"{jnp.dtype(kv_cache.dtype).name}: pass kv_scale=None")
-        checks.scale_values(kv_scale, "kv_scale")
+    checks.cache_scale(kv_scale, kv_cache.dtype, is_fp8(kv_cache.dtype), "kv_scale")
     if q_scale is not None:
         checks.scale_values(q_scale, "q_scale")
     bt, lens = md.local.block_table, md.local.seq_lens  # [N, rows, pages], [N, rows]
