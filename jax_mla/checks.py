@@ -38,6 +38,11 @@ def checked(fn):
     """
     from jax.experimental import checkify
 
+    if hasattr(fn, "lower") and hasattr(fn, "__wrapped__"):
+        # A jax.jit-wrapped function: its cached trace may predate the checks; trace the
+        # function itself (jit the result instead).
+        fn = fn.__wrapped__
+
     @functools.wraps(fn)
     def with_checks(*args, **kwargs):
         token = _CHECKED.set(True)

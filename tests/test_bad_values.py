@@ -108,6 +108,13 @@ def test_checked_reports_bad_pages_and_lengths_under_jit(rng, backend):
     want, _ = oracle.mla_decode(c.q, c.cache, c.block_table, c.seq_lens, qlen=1, page_size=PS,
                                 scale=c.scale, kv_lora_rank=64)
     assert oracle.rel_err(np.asarray(out[0]), want) < 1e-5
+    # A step already jitted and traced unchecked is checked all the same.
+    jitted = jax.jit(step)
+    jitted(q, cache, jnp.asarray(table), jnp.asarray(c.seq_lens))
+    err, _ = jax.jit(jax_mla.checked(jitted))(q, cache, jnp.asarray(table),
+                                             jnp.asarray(c.seq_lens))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"block_table\[0, 2\]"):
+        err.throw()
     # Unchecked, the same jitted step raises nothing and reads nothing out of bounds: request 0
     # reads the last page (its clamped index; NaN-poisoned here), the others are exact.
     out, _ = jax.jit(step)(q, cache, jnp.asarray(table), jnp.asarray(c.seq_lens))
