@@ -63,6 +63,7 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
+_CHILD_ENV_DROP: set[str] = set()  # variables this driver set for itself only
 PEERS = os.path.join(".peers", "flashmla")  # FlashMLA's reduced tree (benchmarks/README.md)
 _peer_build = None
 
@@ -99,7 +100,8 @@ def peer_path() -> str | None:
 def _python(args, timeout, name, **extra_env):
     """Run ``python args...`` with the GPU environment (no interpreter); log its tail. FlashMLA,
     where built, is on its path (and XLA leaves torch half the GPU's memory)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items()
+           if k != "TRITON_INTERPRET" and k not in _CHILD_ENV_DROP}
     env["OUT"] = OUT
     benches = (["-m", "jax_mla.bench"], ["-m", "jax_mla.bench.ab"])
     peer = peer_path() if args[:2] in benches else None
@@ -327,6 +329,11 @@ def main(argv=None) -> int:
         print(f"unknown stages {unknown}; stages: {', '.join(STAGES)}", file=sys.stderr)
         return 2
     os.makedirs(OUT, exist_ok=True)
+    # This process's own stages (env, kernels, gaps, graphs) are small: it takes GPU memory as
+    # it goes instead of 75 % of it up front, which the stages' subprocesses need.
+    if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        _CHILD_ENV_DROP.add("XLA_PYTHON_CLIENT_PREALLOCATE")
     if {"bench", "launcher"} & set(stages):
         start_peer_build()
     for name in stages:
