@@ -2,6 +2,7 @@
 
 Public API:
   write_kv_cache         write new tokens' ``[kv_c | k_pe]`` rows into the paged cache
+  calibrate_fp8_scale    the per-tensor fp8 cache scale from sample activations
   build_decode_metadata  one step's metadata and plan, built once and shared by every layer
   DecodeMetadata         the metadata pytree
   mla_attention          jitted MLA decode/verify: ``out [T, H, L]`` (+ natural-log ``lse``)
@@ -16,13 +17,17 @@ Public API:
   Target                 where kernels run (platform, arch, cores), for planning ahead of time
   heads                  AITER's head-count rules and exact pad/unpad maps
   available_backends     backends usable on the current platform
+  PagedCacheManager      host-side page allocator: static-shape block tables, lengths and slot
+                         mappings for a serving loop (DCP too); CacheFull when a pool runs out
+  model                  the DeepSeek MLA layer (``jax_mla.model.mla_layer``), transformers loading
+  serving                the cache manager and a continuous-batching engine (the demo's)
 """
 
-from jax_mla import heads
+from jax_mla import heads, model, serving
 from jax_mla.attention import mla_attention
 from jax_mla.backends import available_backends, register_backend, registered_backends
 from jax_mla.backends.triton import PrefillTritonConfig, TritonTuning
-from jax_mla.cache import write_kv_cache
+from jax_mla.cache import calibrate_fp8_scale, write_kv_cache
 from jax_mla.checks import checked
 from jax_mla.context import mla_mixed_step, mla_prefill_with_context
 from jax_mla.dcp import (
@@ -43,19 +48,23 @@ from jax_mla.merge import merge_attn_states
 from jax_mla.metadata import DecodeMetadata, build_decode_metadata
 from jax_mla.prefill import mla_prefill
 from jax_mla.problem import Target
+from jax_mla.serving import CacheFull, PagedCacheManager
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheFull",
     "DcpMetadata",
     "DcpShardings",
     "DecodeMetadata",
+    "PagedCacheManager",
     "PrefillTritonConfig",
     "Target",
     "TritonTuning",
     "available_backends",
     "build_dcp_metadata",
     "build_decode_metadata",
+    "calibrate_fp8_scale",
     "checked",
     "dcp_local_metadata",
     "dcp_local_seq_lens",
@@ -69,10 +78,12 @@ __all__ = [
     "heads",
     "merge_attn_states",
     "mla_attention",
+    "model",
     "mla_mixed_step",
     "mla_prefill",
     "mla_prefill_with_context",
     "register_backend",
     "registered_backends",
+    "serving",
     "write_kv_cache",
 ]

@@ -7,10 +7,12 @@ Layout ``kv_cache [num_pages, page_size, D]`` with ``D = L + R``; each row is ``
 fp8 caches (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2``) store ``x / k_scale`` with one
 per-tensor float32 scale, saturated to the format's largest finite value (as vLLM and AITER
 quantise: a value past the range is stored as that maximum, not as NaN); readers dequantise with
-``x = fp8 * k_scale``.
+``x = fp8 * k_scale``. :func:`calibrate_fp8_scale` picks that scale from sample activations.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +125,51 @@ def dequantize(x, scale=None):
     if is_fp8(x.dtype) and scale is not None:
         y = y * jnp.asarray(scale, jnp.float32)
     return y
+
+
+def calibrate_fp8_scale(samples, dtype=jnp.float8_e4m3fn, *, margin: float = 1.0):
+    """The per-tensor float32 scale that maps the samples' largest magnitude onto ``dtype``'s.
+
+    ``scale = amax(|samples|) * margin / finfo(dtype).max``, so that ``quantize(x, dtype,
+    scale)`` stores the sampled ``amax`` as the format's largest finite value (``margin > 1``
+    leaves headroom for later activations, which past it saturate).
+
+    Args:
+      samples: an array, or a list/tuple of arrays of any shapes (e.g. ``kv_c [N, L]`` and
+        ``k_pe [N, R]`` of several batches): one scale covers them all.
+      dtype: the fp8 format (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2``). Static.
+      margin: a finite Python float > 0. Static.
+
+    Returns:
+      a float32 scalar, finite and > 0 (what ``write_kv_cache``'s ``k_scale`` and the
+      ``q_scale``/``kv_scale`` arguments accept). Non-finite samples (NaN, inf) are ignored:
+      they cannot be stored in range whatever the scale. With no finite non-zero sample (all
+      zeros, empty) it is 1.0, the caches' default scale; a scale that would underflow to 0
+      or overflow float32 is 1.0 too.
+
+    Jittable (the arrays may be traced).
+    """
+    dtype = jnp.dtype(dtype)
+    if not is_fp8(dtype):
+        raise TypeError(f"dtype {dtype} is not an fp8 format ({', '.join(map(str, FP8_DTYPES))})")
+    if isinstance(margin, jax.core.Tracer) or not isinstance(margin, (int, float, np.floating)):
+        raise TypeError(f"margin must be a Python float, got {margin!r}")
+    if not math.isfinite(margin) or margin <= 0:
+        raise ValueError(f"margin must be finite and > 0, got {margin}")
+    parts = samples if isinstance(samples, (list, tuple)) else [samples]
+    amax = jnp.float32(0.0)
+    for x in parts:
+        a = jnp.abs(jnp.asarray(x).astype(jnp.float32)).reshape(-1)
+        # Selected, not multiplied: a NaN or inf sample must not reach the max.
+        amax = jnp.maximum(amax, jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0))
+    scale = amax / float(jnp.finfo(dtype).max) * jnp.float32(margin)
+    return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0).astype(jnp.float32)
+
+
+def quantize_per_tensor(x, dtype, scale=None):
+    """``(quantize(x, dtype, scale), scale)`` with one float32 scale for the whole of ``x``;
+    ``scale`` None: :func:`calibrate_fp8_scale` of ``x`` itself (a dynamic per-tensor scale, as
+    vLLM quantises activations)."""
+    scale = calibrate_fp8_scale(x, dtype) if scale is None else (
+        jnp.asarray(scale, jnp.float32).reshape(()))
+    return quantize(x, dtype, scale), scale

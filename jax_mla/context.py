@@ -14,6 +14,11 @@ of it) and each other (causally). vLLM's flow, reproduced here with static shape
 3. the context result (prefix) merges with the new-token result (suffix).
 
 Merging by LSE is exact, so the result equals one-shot attention over context + new tokens.
+
+fp8 (docs/design.md §2.3): an fp8 cache is dequantised with ``k_scale`` wherever it is read.
+``prefill_fp8`` also quantises each prefill attention's q, k, v to the cache's fp8 format, one
+dynamic per-tensor scale each (vLLM's fp8 prefill); ``q_fp8`` quantises the absorbed decode
+query where the decode route takes an fp8 one (vLLM's ``_mla_q_dtype``), as its plan says.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 
 from jax_mla import checks
 from jax_mla.attention import mla_attention
-from jax_mla.cache import FLOAT_DTYPES, check_cache, dequantize, is_fp8
+from jax_mla.cache import FLOAT_DTYPES, check_cache, dequantize, is_fp8, quantize_per_tensor
 from jax_mla.merge import merge_attn_states
 from jax_mla.paged import DecodeMetadata, expand_indptr, flat_slot_ids
 from jax_mla.prefill import check_cu_seqlens, prefill_attention, resolve_prefill
@@ -141,6 +146,7 @@ def mla_prefill_with_context(
     max_seqlen: int | None = None,
     backend: str = "auto",
     config=None,
+    prefill_fp8: bool = False,
 ):
     """MLA prefill of new tokens over their cached context plus themselves (vLLM ``forward_mha``).
 
@@ -161,6 +167,11 @@ def mla_prefill_with_context(
       return_lse: also return the LSE. Static.
       max_seqlen: static bound on new tokens per request (sizes the XLA chunks).
       backend, config: as in :func:`jax_mla.mla_prefill`.
+      prefill_fp8: quantise the q, k, v of every attention call (the new tokens', each context
+        chunk's) to the fp8 cache's format, each with a per-tensor scale from its own amax,
+        and attend them through :func:`jax_mla.mla_prefill`'s fp8 path. Needs an fp8 cache.
+        The context merge needs every call's LSE, which AITER's fp8 PS prefill does not make:
+        there the calls run FlashAttention on the dequantised values. Static.
 
     Returns:
       ``out [T, H, V]`` in q's dtype, and with ``return_lse`` also ``lse [T, H]`` float32
@@ -175,25 +186,43 @@ def mla_prefill_with_context(
     k_pe, nope = _check_prefill_inputs(q, kv_c_normed, k_pe, kv_cache, block_table, context_lens,
                                        cu_seqlens, kv_b_proj, workspace_tokens)
     checks.cache_scale(k_scale, kv_cache.dtype, is_fp8(kv_cache.dtype), "k_scale")
+    if not isinstance(prefill_fp8, bool):
+        raise TypeError(f"prefill_fp8 must be a bool, got {prefill_fp8!r}")
+    if prefill_fp8 and not is_fp8(kv_cache.dtype):
+        raise ValueError(f"prefill_fp8=True quantises the prefill q, k, v to the fp8 cache's "
+                         f"format; this cache is {jnp.dtype(kv_cache.dtype).name}")
     impl, target = resolve_prefill(backend, q, q, q, config)
     out, lse = _prefill_with_context(
         q, kv_c_normed, k_pe, kv_cache, block_table, context_lens, cu_seqlens, kv_b_proj,
         k_scale, scale=checks.static_scale(scale), workspace_tokens=workspace_tokens, nope=nope,
-        backend=impl.name, target=target, max_seqlen=max_seqlen, config=config)
+        backend=impl.name, target=target, max_seqlen=max_seqlen, config=config,
+        fp8=jnp.dtype(kv_cache.dtype).name if prefill_fp8 else None)
     return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "workspace_tokens", "nope", "backend",
-                                             "target", "max_seqlen", "config"))
+                                             "target", "max_seqlen", "config", "fp8"))
 def _prefill_with_context(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu_seqlens,
                           kv_b_proj, k_scale, *, scale, workspace_tokens, nope, backend,
-                          target, max_seqlen, config):
+                          target, max_seqlen, config, fp8):
     t, h, _ = q.shape
     lrank = kv_c.shape[1]
-    attend = functools.partial(prefill_attention, scale=scale, backend=backend, target=target,
-                               max_seqlen=max_seqlen, config=config)
+    q_in = q if fp8 is None else quantize_per_tensor(q, fp8)
+
+    def attend(k, v, cu_k, causal):
+        if fp8 is None:
+            qkv, scales = (q, k, v), None
+        else:
+            # One scale per tensor per call: each call's (out, lse) is exact for its own
+            # inputs, so the LSE merge needs no common scale across calls.
+            (k, ks), (v, vs) = quantize_per_tensor(k, fp8), quantize_per_tensor(v, fp8)
+            qkv, scales = (q_in[0], k, v), (q_in[1], ks, vs)
+        return prefill_attention(*qkv, cu_seqlens, cu_k, scale=scale, causal=causal,
+                                 backend=backend, target=target, max_seqlen=max_seqlen,
+                                 config=config, scales=scales)
+
     k, v = up_project(kv_c, k_pe, kv_b_proj, nope, q.dtype)
-    out_new, lse_new = attend(q, k, v, cu_seqlens, None, causal=True)
+    out_new, lse_new = attend(k, v, None, causal=True)
 
     context_lens = jnp.maximum(context_lens.astype(jnp.int32), 0)
     with_context = jnp.sum(context_lens > 0, dtype=jnp.int32)
@@ -204,7 +233,7 @@ def _prefill_with_context(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu
         rows, cu_k = gather_context_chunk(kv_cache, block_table, context_lens, i, budget,
                                           workspace_tokens, k_scale)
         kc, vc = up_project(rows[:, :lrank], rows[:, lrank:], kv_b_proj, nope, q.dtype)
-        o, lse = attend(q, kc, vc, cu_seqlens, cu_k, causal=False, max_seqlen_k=None)
+        o, lse = attend(kc, vc, cu_k, causal=False)
         return merge_attn_states(carry[0], carry[1], o.astype(jnp.float32), lse)
 
     init = (jnp.zeros(out_new.shape, jnp.float32), jnp.full((t, h), -jnp.inf, jnp.float32))
@@ -231,6 +260,9 @@ def mla_mixed_step(
     prefill_backend: str = "auto",
     max_seqlen: int | None = None,
     config=None,
+    q_fp8: bool | str = "auto",
+    q_scale=None,
+    prefill_fp8: bool = False,
 ):
     """One MLA attention step over a batch ordered as vLLM orders it: decode requests first.
 
@@ -257,10 +289,20 @@ def mla_mixed_step(
       k_scale: fp8 cache dequantisation multiplier (both paths).
       decode_backend: backend of :func:`jax_mla.mla_attention`; prefill_backend, max_seqlen,
         config: as in :func:`mla_prefill_with_context`.
+      q_fp8: quantise the absorbed decode query ``[ql_nope | q_pe]`` to fp8 with one per-tensor
+        scale before :func:`jax_mla.mla_attention`: ``"auto"`` where the decode metadata's plan
+        takes an fp8 query (its ``problem.q_dtype``; AITER plans one with an fp8 cache, as
+        vLLM does), ``True`` with any fp8 cache (in the plan's fp8 dtype, else the cache's; a
+        plan for a 16-bit query is then an error), ``False`` never. Static.
+      q_scale: that query's float32 dequantisation multiplier (a static calibration); None:
+        from the query's own amax each step (:func:`jax_mla.cache.calibrate_fp8_scale`).
+      prefill_fp8: as in :func:`mla_prefill_with_context`. Static.
 
     Returns:
       ``out [T, H, V]`` in q's dtype.
     """
+    if not (isinstance(q_fp8, bool) or q_fp8 == "auto"):
+        raise ValueError(f"q_fp8 must be True, False or 'auto', got {q_fp8!r}")
     q = jnp.asarray(q)
     if q.ndim != 3:
         raise ValueError(f"q must be [T, H, P + R], got shape {tuple(q.shape)}")
@@ -279,7 +321,8 @@ def mla_mixed_step(
     parts = []
     if t_d:
         parts.append(_decode_rows(q[:t_d], kv_cache, kv_b_proj, decode_metadata, k_pe.shape[-1],
-                                  scale=scale, backend=decode_backend, k_scale=k_scale))
+                                  scale=scale, backend=decode_backend, k_scale=k_scale,
+                                  q_fp8=q_fp8, q_scale=q_scale))
     if has_prefill:
         if workspace_tokens is None:
             raise ValueError("workspace_tokens is required when there are prefill rows")
@@ -287,21 +330,60 @@ def mla_mixed_step(
             q[t_d:], kv_c_normed[t_d:], k_pe[t_d:], kv_cache, prefill_block_table,
             prefill_context_lens, prefill_cu_seqlens, kv_b_proj, scale=scale,
             workspace_tokens=workspace_tokens, k_scale=k_scale, max_seqlen=max_seqlen,
-            backend=prefill_backend, config=config))
+            backend=prefill_backend, config=config, prefill_fp8=prefill_fp8))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
-def _decode_rows(q, kv_cache, kv_b_proj, md, rope, *, scale, backend, k_scale):
+def _decode_q_dtype(md: DecodeMetadata, kv_dtype, q_fp8, q_scale):
+    """The fp8 dtype the absorbed decode query is quantised to, or None (``q_fp8`` as in
+    :func:`mla_mixed_step`). The plan decides (``"auto"``); nothing is re-planned here."""
+    planned = md.plan.problem.q_dtype if md.plan is not None else None
+    plan_fp8 = planned is not None and is_fp8(planned)
+    if q_fp8 == "auto":
+        fp8 = jnp.dtype(planned) if plan_fp8 else None
+    elif q_fp8:
+        if not is_fp8(kv_dtype):
+            raise ValueError(f"q_fp8=True quantises the decode query for an fp8 cache; this "
+                             f"cache is {jnp.dtype(kv_dtype).name}")
+        if planned is not None and not plan_fp8:
+            raise ValueError(f"q_fp8=True but the decode metadata was planned for a {planned} "
+                             f"query: build it with q_dtype={jnp.dtype(kv_dtype).name}")
+        fp8 = jnp.dtype(planned) if plan_fp8 else jnp.dtype(kv_dtype)
+    else:
+        fp8 = None
+    if fp8 is None and q_scale is not None:
+        raise ValueError(f"q_scale is the fp8 decode query's scale, but the query is not "
+                         f"quantised (q_fp8={q_fp8!r}, planned q dtype: {planned})")
+    return fp8
+
+
+def absorb_query(q, kv_b_proj, nope: int):
+    """``q_nope @ W_UK``: ``q [T, H, P + R]``, ``kv_b_proj [L, H, P + V]`` -> ``[T, H, L]`` in
+    q's dtype (docs/design.md §1.2)."""
+    w_uk = kv_b_proj[..., :nope].astype(q.dtype)  # [L, H, P]
+    return jnp.einsum("thp,lhp->thl", q[..., :nope], w_uk, precision=_mm_precision(q.dtype),
+                      preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def unabsorb_output(latent, kv_b_proj, nope: int, dtype):
+    """``latent @ W_UV``: ``[T, H, L]`` -> ``[T, H, V]`` in ``dtype``."""
+    w_uv = kv_b_proj[..., nope:].astype(dtype)  # [L, H, V]
+    out = jnp.einsum("thl,lhv->thv", latent.astype(dtype), w_uv, precision=_mm_precision(dtype),
+                     preferred_element_type=jnp.float32)
+    return out.astype(dtype)
+
+
+def _decode_rows(q, kv_cache, kv_b_proj, md, rope, *, scale, backend, k_scale, q_fp8, q_scale):
     """Absorbed decode: ``[T_d, H, P + R]`` -> ``[T_d, H, V]`` (docs/design.md §1.2)."""
     lrank = kv_b_proj.shape[0]
     nope = q.shape[2] - rope
-    prec = _mm_precision(q.dtype)
-    w_uk = kv_b_proj[..., :nope].astype(q.dtype)  # [L, H, P]
-    w_uv = kv_b_proj[..., nope:].astype(q.dtype)  # [L, H, V]
-    ql_nope = jnp.einsum("thp,lhp->thl", q[..., :nope], w_uk, precision=prec,
-                         preferred_element_type=jnp.float32).astype(q.dtype)
-    latent = mla_attention((ql_nope, q[..., nope:]), kv_cache, md, scale=scale, backend=backend,
+    ql_nope = absorb_query(q, kv_b_proj, nope)
+    fp8 = _decode_q_dtype(md, kv_cache.dtype, q_fp8, q_scale)
+    if fp8 is None:
+        q_abs, q_scale = (ql_nope, q[..., nope:]), None
+    else:  # one tensor, one scale over both parts (vLLM concatenates, then quantises)
+        q_abs, q_scale = quantize_per_tensor(jnp.concatenate([ql_nope, q[..., nope:]], axis=-1),
+                                             fp8, q_scale)
+    latent = mla_attention(q_abs, kv_cache, md, scale=scale, backend=backend, q_scale=q_scale,
                            kv_scale=k_scale, kv_lora_rank=lrank)
-    out = jnp.einsum("thl,lhv->thv", latent.astype(q.dtype), w_uv, precision=prec,
-                     preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+    return unabsorb_output(latent, kv_b_proj, nope, q.dtype)

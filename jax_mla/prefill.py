@@ -17,7 +17,8 @@ import numpy as np
 
 from jax_mla import checks
 from jax_mla.backends import get_backend, require_available, resolve_backend
-from jax_mla.cache import FLOAT_DTYPES
+from jax_mla.backends.base import out_dtype
+from jax_mla.cache import FLOAT_DTYPES, is_fp8
 from jax_mla.problem import Target, detect_target
 
 
@@ -80,10 +81,13 @@ def _check_qkv(q, k, v):
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim != 3:
             raise ValueError(f"{name} must be rank 3 [T, H, D], got shape {tuple(a.shape)}")
-        if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
-            raise TypeError(f"{name} dtype {a.dtype} is not one of bf16, fp16, fp32")
+        if jnp.dtype(a.dtype) not in FLOAT_DTYPES and not is_fp8(a.dtype):
+            raise TypeError(f"{name} dtype {a.dtype} is not one of bf16, fp16, fp32 or fp8")
     if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        fp8 = [n for n, a in (("q", q), ("k", k), ("v", v)) if is_fp8(a.dtype)]
+        hint = (f" ({', '.join(fp8)} fp8: an fp8 prefill takes q, k and v in one fp8 dtype, "
+                "each with its scale)" if fp8 else "")
+        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}{hint}")
     if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1] or q.shape[1] < 1:
         raise ValueError(
             f"q, k, v must have the same number (>= 1) of heads H: {q.shape[1]}, {k.shape[1]}, "
@@ -93,6 +97,29 @@ def _check_qkv(q, k, v):
         raise ValueError(f"q and k head dims differ: {q.shape[2]} vs {k.shape[2]}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must have the same rows Tk: {k.shape[0]} vs {v.shape[0]}")
+
+
+def _check_scales(dtype, scales: dict) -> tuple | None:
+    """``(q_scale, k_scale, v_scale)`` as float32 scalars for fp8 inputs, None otherwise; each
+    fp8 input needs its per-tensor dequantisation multiplier, finite and > 0."""
+    if not is_fp8(dtype):
+        given = [n for n, s in scales.items() if s is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} given for {jnp.dtype(dtype).name} q, k, v: "
+                             "the scales dequantise fp8 inputs only (pass None)")
+        return None
+    missing = [n for n, s in scales.items() if s is None]
+    if missing:
+        raise ValueError(f"q, k, v are {jnp.dtype(dtype).name}: pass {', '.join(missing)} (the "
+                         "per-tensor float32 dequantisation multipliers, x = fp8 * scale)")
+    out = []
+    for name, s in scales.items():
+        s = jnp.asarray(s, jnp.float32)
+        if s.size != 1:
+            raise ValueError(f"{name} must be one per-tensor scale, got shape {tuple(s.shape)}")
+        checks.scale_values(s, name)
+        out.append(s.reshape(()))
+    return tuple(out)
 
 
 def _check_static_len(name, value):
@@ -114,13 +141,17 @@ def mla_prefill(
     max_seqlen_k: int | None = None,
     backend: str = "auto",
     config=None,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Varlen (causal) attention over packed sequences, MHA form, with optional LSE.
 
     Args:
       q: ``[T, H, Dqk]`` queries of every sequence, packed (DeepSeek: ``Dqk = P + R = 192``).
       k: ``[Tk, H, Dqk]`` keys (``[k_nope | k_pe]`` after the ``kv_b_proj`` up-projection).
-      v: ``[Tk, H, Dv]`` values (DeepSeek: ``Dv = 128``). q, k, v share one float dtype.
+      v: ``[Tk, H, Dv]`` values (DeepSeek: ``Dv = 128``). q, k, v share one dtype: bf16, fp16,
+        fp32, or fp8 with ``q_scale``, ``k_scale``, ``v_scale``.
       cu_seqlens: ``[B + 1]`` int32 query offsets: sequence ``b`` owns rows
         ``cu_seqlens[b] .. cu_seqlens[b+1]``; ``cu_seqlens[0] == 0``. Rows at or past
         ``cu_seqlens[-1]`` are padding (out 0, lse ``-inf``).
@@ -138,13 +169,20 @@ def mla_prefill(
         else XLA), ``"xla"``, ``"triton"``, ``"aiter"``.
       config: the backend's prefill configuration (``PrefillTritonConfig`` for ``"triton"``,
         ``AiterPrefillConfig`` for ``"aiter"``; default: the backend's own choice). Static.
+      q_scale, k_scale, v_scale: per-tensor float32 dequantisation multipliers of fp8 q, k, v
+        (``x = fp8 * scale``; required then, None otherwise). A route with an fp8 kernel takes
+        them as they are (AITER's fp8 PS prefill); the others attend the dequantised values
+        (XLA and Triton in float32: exact, and slower than their bf16 path; AITER's
+        FlashAttention in bf16).
 
     Returns:
-      ``out [T, H, Dv]`` in q's dtype, and with ``return_lse`` also ``lse [T, H]`` float32,
-      natural log. A row that sees no key (empty sequence, padding row) gives out 0, lse
-      ``-inf``.
+      ``out [T, H, Dv]`` in q's dtype (bf16 when q is fp8), and with ``return_lse`` also ``lse
+      [T, H]`` float32, natural log. A row that sees no key (empty sequence, padding row)
+      gives out 0, lse ``-inf``.
     """
     _check_qkv(q, k, v)
+    scales = _check_scales(q.dtype, {"q_scale": q_scale, "k_scale": k_scale,
+                                     "v_scale": v_scale})
     t, tk = q.shape[0], k.shape[0]
     for name, val in (("max_seqlen", max_seqlen), ("max_seqlen_k", max_seqlen_k)):
         _check_static_len(name, val)
@@ -169,37 +207,44 @@ def mla_prefill(
         check_cu_seqlens(cu_k, tk, "cu_seqlens_k", max_seqlen_k)
     impl, target = resolve_prefill(backend, q, k, v, config)
     out, lse = _mla_prefill(
-        q, k, v, cu_q, None if cu_seqlens_k is None else cu_k, scale=checks.static_scale(scale),
-        causal=bool(causal), backend=impl.name, target=target, max_seqlen=int(max_seqlen or t),
-        max_seqlen_k=int(max_seqlen_k or tk), config=config, return_lse=bool(return_lse))
+        q, k, v, cu_q, None if cu_seqlens_k is None else cu_k, scales,
+        scale=checks.static_scale(scale), causal=bool(causal), backend=impl.name, target=target,
+        max_seqlen=int(max_seqlen or t), max_seqlen_k=int(max_seqlen_k or tk), config=config,
+        return_lse=bool(return_lse))
     return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "backend", "target",
                                              "max_seqlen", "max_seqlen_k", "config",
                                              "return_lse"))
-def _mla_prefill(q, k, v, cu_q, cu_k, *, scale, causal, backend, target, max_seqlen,
+def _mla_prefill(q, k, v, cu_q, cu_k, scales, *, scale, causal, backend, target, max_seqlen,
                  max_seqlen_k, config, return_lse):
     return prefill_attention(q, k, v, cu_q, cu_k, scale=scale, causal=causal, backend=backend,
                              target=target, max_seqlen=max_seqlen, max_seqlen_k=max_seqlen_k,
-                             config=config, return_lse=return_lse)
+                             config=config, return_lse=return_lse, scales=scales)
 
 
 def prefill_attention(q, k, v, cu_q, cu_k, *, scale, causal, backend: str, target: Target,
-                      max_seqlen=None, max_seqlen_k=None, config=None, return_lse=True):
+                      max_seqlen=None, max_seqlen_k=None, config=None, return_lse=True,
+                      scales=None):
     """Unchecked, traceable core of :func:`mla_prefill` for callers that validated already.
 
-    ``backend`` is a registered name; ``cu_k`` None means keys packed like the queries. Returns
-    ``(out [T, H, Dv] in q's dtype, lse [T, H] float32)`` (``lse`` may be None when
-    ``return_lse`` is False).
+    ``backend`` is a registered name; ``cu_k`` None means keys packed like the queries;
+    ``scales`` is ``(q_scale, k_scale, v_scale)`` float32 scalars when q, k, v are fp8. Returns
+    ``(out [T, H, Dv] in q's dtype (bf16 for fp8), lse [T, H] float32)`` (``lse`` may be None
+    when ``return_lse`` is False).
     """
     t, h, _ = q.shape
     tk, _, dv = v.shape
     if t == 0 or tk == 0:
-        return (jnp.zeros((t, h, dv), q.dtype), jnp.full((t, h), -jnp.inf, jnp.float32))
+        return (jnp.zeros((t, h, dv), out_dtype(q.dtype)),
+                jnp.full((t, h), -jnp.inf, jnp.float32))
     cu_q = canonical_cu(cu_q, t)
     cu_k = None if cu_k is None else canonical_cu(cu_k, tk)
+    # Scales travel only with fp8 inputs: a backend written before fp8 prefill still serves
+    # every float dtype.
+    fp8 = {} if scales is None else dict(zip(("q_scale", "k_scale", "v_scale"), scales))
     return get_backend(backend).prefill(q, k, v, cu_q, cu_k, scale=scale, causal=causal,
                                         target=target, max_seqlen=max_seqlen,
                                         max_seqlen_k=max_seqlen_k, config=config,
-                                        return_lse=return_lse)
+                                        return_lse=return_lse, **fp8)

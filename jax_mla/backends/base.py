@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_mla import reference
-from jax_mla.cache import is_fp8
+from jax_mla.cache import dequantize, is_fp8
 from jax_mla.problem import DecodeProblem, Target
 
 # Fields of a problem a plan must match exactly (the rest are derived from the metadata itself
@@ -105,20 +105,35 @@ class Backend:
 
     def prefill(self, q, k, v, cu_q, cu_k, *, scale: float, causal: bool, target: Target,
                 max_seqlen: int | None, max_seqlen_k: int | None, config=None,
-                return_lse: bool = True):
+                return_lse: bool = True, q_scale=None, k_scale=None, v_scale=None):
         """Varlen MHA-form attention.
 
         ``q [T, H, Dqk]``, ``k [Tk, H, Dqk]``, ``v [Tk, H, Dv]``; ``cu_q`` / ``cu_k`` ``[B + 1]``
         int32 canonical offsets (``cu_k`` None: keys packed like the queries). Returns ``(out
         [T, H, Dv] in q's dtype, lse [T, H] float32)``; rows past ``cu_q[-1]`` and rows that
         see no key give 0 and ``-inf``. ``lse`` may be None when ``return_lse`` is False.
+
+        fp8 q, k, v (one fp8 dtype) come with ``q_scale``, ``k_scale``, ``v_scale`` (float32
+        scalars; the entry passes them only then) and give a bf16 ``out``; a backend without an
+        fp8 kernel attends :func:`dequantize_qkv` of them, as this reference does.
         """
+        odt = out_dtype(q.dtype)
+        q, k, v = dequantize_qkv(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
         cu_k = cu_q if cu_k is None else cu_k
         out, lse = reference.prefill_reference(q, k, v, cu_q, cu_k, scale=scale, causal=causal,
                                                max_seqlen=max_seqlen, max_seqlen_k=max_seqlen_k)
-        return out.astype(q.dtype), lse
+        return out.astype(odt), lse
 
 
 def out_dtype(q_dtype):
     """The attention output dtype for a query dtype: bf16 for fp8 queries, else q's."""
     return jnp.dtype(jnp.bfloat16) if is_fp8(q_dtype) else jnp.dtype(q_dtype)
+
+
+def dequantize_qkv(q, k, v, *, q_scale=None, k_scale=None, v_scale=None, dtype=jnp.float32):
+    """fp8 prefill inputs as ``dtype`` values ``fp8 * scale`` (computed in float32: exact for
+    float32); float inputs unchanged."""
+    if not is_fp8(q.dtype):
+        return q, k, v
+    return tuple(dequantize(x, s).astype(dtype)
+                 for x, s in ((q, q_scale), (k, k_scale), (v, v_scale)))

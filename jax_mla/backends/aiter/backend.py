@@ -22,7 +22,7 @@ from jax_mla.backends.aiter import bridge
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.plan import AiterPlan, make_plan
 from jax_mla.backends.aiter.schedule import VIEWS, build_schedule
-from jax_mla.backends.base import Backend
+from jax_mla.backends.base import Backend, dequantize_qkv
 from jax_mla.cache import is_fp8
 from jax_mla.problem import Target
 
@@ -143,13 +143,15 @@ class AiterBackend(Backend):
                             f"{type(config).__name__}")
 
     def prefill(self, q, k, v, cu_q, cu_k, *, scale, causal, target, max_seqlen, max_seqlen_k,
-                config=None, return_lse=True):
+                config=None, return_lse=True, q_scale=None, k_scale=None, v_scale=None):
         """The fp8 PS asm prefill when enabled, else FlashAttention varlen (vLLM's order).
 
         Same contract as :meth:`Backend.prefill`; ``lse`` is None when the fp8 PS path ran (it
         exposes none). That path is taken only on an arch and build that have it, with an fp8
-        KV cache (``config.kv_cache_fp8``), a valid head count, no chunked context, equal query
-        and key packing, causal attention and no LSE asked for.
+        KV cache (``config.kv_cache_fp8``) or fp8 q, k, v in the arch's fp8 dtype (their scales
+        go to the kernel), a valid head count, no chunked context, equal query and key packing,
+        causal attention and no LSE asked for. FlashAttention takes 16-bit inputs: fp8 ones
+        reach it dequantised to bf16.
         """
         config = config or AiterPrefillConfig()
         arch = config.arch or (target.arch if target.platform == "rocm" else None) \
@@ -160,14 +162,19 @@ class AiterBackend(Backend):
         max_seqlen_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
         same_kv = cu_k is None
         cu_k = cu_q if cu_k is None else cu_k
+        fp8_in = is_fp8(q.dtype)
         use_ps = (arch is not None and caps.fp8_prefill_supported(arch, build)
-                  and config.kv_cache_fp8 and _heads.is_valid_num_heads(q.shape[1])
-                  and not config.has_context and same_kv and causal and not return_lse)
+                  and (config.kv_cache_fp8 or fp8_in) and _heads.is_valid_num_heads(q.shape[1])
+                  and not config.has_context and same_kv and causal and not return_lse
+                  and (not fp8_in or jnp.dtype(q.dtype) == caps.fp8_dtype(arch)))
         live = jnp.arange(q.shape[0], dtype=jnp.int32) < cu_q[-1]  # rows past cu_q[-1]: padding
         if use_ps:
             out = bridge.fp8_prefill(q, k, v, cu_q, max_query_len=max_seqlen, scale=scale,
-                                     arch=arch)
+                                     arch=arch, q_scale=q_scale, k_scale=k_scale,
+                                     v_scale=v_scale)
             return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), None
+        q, k, v = dequantize_qkv(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                 dtype=jnp.bfloat16)
         out, lse = bridge.flash_attn_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen,
                                             max_seqlen_k=max_seqlen_k, scale=scale,
                                             causal=causal, return_lse=return_lse)

@@ -389,31 +389,34 @@ def aiter_mla_metadata(md):
 # Prefill: fp8 PS asm prefill + reduce, and flash_attn_varlen_func
 
 
-def fp8_prefill(q, k, v, query_start_loc, *, max_query_len: int, scale: float, arch: str):
+def fp8_prefill(q, k, v, query_start_loc, *, max_query_len: int, scale: float, arch: str,
+                q_scale=None, k_scale=None, v_scale=None):
     """vLLM's ``_mla_fp8_prefill_attn``: fp8 PS asm prefill + ``mla_reduce_v1`` (gfx950).
 
     Args:
       q, k: ``[T, H, P + R]``; v: ``[T, H, V]`` -- new tokens only (no chunked context), after
-        ``kv_b_proj`` (gqa 1).
+        ``kv_b_proj`` (gqa 1); 16-bit, or already the arch's fp8.
       query_start_loc: ``[B + 1]`` int32 (KV indptr = query indptr: KV length == query length).
       max_query_len: static bound on a request's query length.
-    Returns ``out [T, H, V]`` in q's dtype.
+      q_scale, k_scale, v_scale: per-tensor float32 dequantisation multipliers of fp8 inputs
+        (default 1.0).
+    Returns ``out [T, H, V]`` in q's dtype (bf16 for fp8 q).
 
     Heads pad to ``ceil(H/16)*16`` with vLLM's maps (exact: padded head j duplicates a real
-    one in q, k and v alike); q, k, v are cast to the arch's fp8 with unit scales. AITER's PS
-    planner is a host algorithm: it runs inside the callback (a device->host copy per call; vLLM
-    runs it once per step at build time).
+    one in q, k and v alike); 16-bit q, k, v are cast to the arch's fp8 with unit scales, as
+    vLLM does. AITER's PS planner is a host algorithm: it runs inside the callback (a
+    device->host copy per call; vLLM runs it once per step at build time).
     """
     t, h, dqk = q.shape
     dv = v.shape[-1]
     hp = caps.fp8_prefill_num_heads(h)
     f8 = caps.fp8_dtype(arch)
     qp, kp, vp = (_heads.pad_heads(x, h, hp).astype(f8) for x in (q, k, v))
-    out_dt = q.dtype
+    out_dt = out_dtype(q.dtype)
     b = query_start_loc.shape[0] - 1
     tile = FP8_PREFILL_TILE_Q
 
-    def callback(ctx, outs, qb, kb, vb, qsl):
+    def callback(ctx, outs, qb, kb, vb, qsl, qs, ks, vs):
         o_x = _t(outs[0])
         with _stream_ctx(ctx, o_x):
             torch = _torch()
@@ -435,17 +438,17 @@ def fp8_prefill(q, k, v, query_start_loc, *, max_query_len: int, scale: float, a
             attn_lse = torch.empty((num_partial_tiles * tile, hp), dtype=torch.float32,
                                    device=dev)
             final_lse = torch.empty((t, hp), dtype=torch.float32, device=dev)
-            one = torch.ones((), dtype=torch.float32, device=dev)
             kv_indices = torch.arange(t, dtype=torch.int32, device=dev)
             aiter.mla_prefill_ps_asm_fwd(_t(qb), _t(kb), _t(vb), qo, qo, kv_indices, w_indptr,
                                          w_info, max_query_len, scale, True, logits, attn_lse,
-                                         o_x, one, one, one)
+                                         o_x, _t(qs), _t(ks), _t(vs))
             # num_kv_splits=0: "auto" (the CU count), as vLLM passes after ROCm/aiter#3391.
             aiter.mla_reduce_v1(logits, attn_lse, r_indptr, r_final, r_partial, tile, 0, o_x,
                                 final_lse)
 
     (out,) = _call(callback, [jax.ShapeDtypeStruct((t, hp, dv), out_dt)], qp, kp, vp,
-                   query_start_loc.astype(jnp.int32))
+                   query_start_loc.astype(jnp.int32), _scalar(q_scale), _scalar(k_scale),
+                   _scalar(v_scale))
     return _heads.unpad_heads(out, h, hp)
 
 

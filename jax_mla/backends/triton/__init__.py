@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_mla.backends.base import Backend
+from jax_mla.backends.base import Backend, dequantize_qkv, out_dtype
 from jax_mla.backends.triton import decode as _decode
 from jax_mla.backends.triton import launch
 from jax_mla.backends.triton.plan import TritonPlan, TritonTuning, make_plan
@@ -68,11 +68,15 @@ class TritonBackend(Backend):
                             f"{type(config).__name__}")
 
     def prefill(self, q, k, v, cu_q, cu_k, *, scale, causal, target, max_seqlen, max_seqlen_k,
-                config=None, return_lse=True):
+                config=None, return_lse=True, q_scale=None, k_scale=None, v_scale=None):
+        # No fp8 kernel: fp8 inputs run the exact float32 path (out in bf16).
+        odt = out_dtype(q.dtype)
+        q, k, v = dequantize_qkv(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
         t = q.shape[0]
         cu_k = cu_q if cu_k is None else cu_k
         # A trailing key-less sequence covers padding rows, so the kernel writes every row.
         cu_q = jnp.concatenate([cu_q, jnp.full((1,), t, jnp.int32)])
         cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
-        return prefill_triton(q, k, v, cu_q, cu_k, scale=scale, causal=causal,
-                              target=target, config=config)
+        out, lse = prefill_triton(q, k, v, cu_q, cu_k, scale=scale, causal=causal,
+                                  target=target, config=config)
+        return out.astype(odt), lse
