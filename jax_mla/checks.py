@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 _CHECKED = contextvars.ContextVar("jax_mla_checked", default=False)
 
@@ -84,7 +85,20 @@ def _skip(*xs) -> bool:
 def _host(*xs):
     """Concrete arrays through one host copy, unsharded (whatever their sharding); traced ones
     as they are."""
-    return tuple(jnp.asarray(np.asarray(x)) if is_concrete(x) else x for x in xs)
+    return tuple(jnp.asarray(_on_this_host(x)) if is_concrete(x) else x for x in xs)
+
+
+def _on_this_host(x) -> np.ndarray:
+    """The whole of ``x`` as a NumPy array, also when other processes hold parts of it.
+
+    A multi-process array (DCP across hosts: rank-local block tables and lengths sharded over
+    the processes' devices) cannot be read where it is not held; every process gathers it
+    instead. The checked arrays are metadata (kilobytes), never a KV cache, and every process
+    runs the same checks in the same order, so the gathers pair up.
+    """
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
 
 
 def _py(v):

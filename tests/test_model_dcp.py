@@ -135,6 +135,13 @@ def test_parallel_chosen_from_the_cache_sharding(rng):
     y_par, _ = mla_layer(params, CFG, x, pos, dcp.cache.copy(), batch, decode_backend="xla",
                          parallel=par)
     np.testing.assert_array_equal(np.asarray(y_auto), np.asarray(y_par))
+    # Under jax.jit too: a traced cache on an explicit-axes mesh carries its sharding.
+    step = jax.jit(lambda p, x, pos, c, b: mla_layer(p, CFG, x, pos, c, b, decode_backend="xla"))
+    y_jit, c_jit = step(params, x, pos, dcp.cache.copy(), batch)
+    assert _rel(y_jit, y_par) < TOL  # one jitted program fuses differently from eager calls
+    assert c_jit.sharding.is_equivalent_to(par.shardings.kv_cache, 3)
+    hlo = step.lower(params, x, pos, dcp.cache, batch).compile().as_text()
+    assert max(size for _, _, size in collectives(hlo)) < dcp.cache.size // 4  # < one shard
     with pytest.raises(ValueError, match="AttentionBatch.positions"):
         mla_layer(params, CFG, x, pos, dcp.cache, AttentionBatch(slot_mapping=None),
                   parallel=par)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_mla import checks
@@ -79,7 +79,8 @@ def dcp_shardings(mesh: Mesh, *, dcp_axis: str = "dcp", head_axis: str | None = 
 
 
 def _check_mesh(mesh, dcp_axis, head_axis):
-    if not isinstance(mesh, Mesh):
+    # An AbstractMesh is what a traced array's sharding names under jax.jit (explicit axes).
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     for name, ax in (("dcp_axis", dcp_axis), ("head_axis", head_axis)):
         if ax is not None and ax not in mesh.axis_names:

@@ -36,7 +36,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jax_mla.cache import write_kv_cache
 from jax_mla.context import absorb_query, mla_mixed_step, unabsorb_output, up_project
@@ -185,7 +185,7 @@ class Parallel:
     ``"a2a"``).
     """
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     dcp_axis: str = "dcp"
     head_axis: str | None = None
     interleave: int = 1
@@ -217,8 +217,8 @@ def parallel_from_cache(kv_cache) -> Parallel | None:
         if len(axis) != 1:
             return None
         axis = axis[0]
-    mesh = sh.mesh
-    if not isinstance(mesh, Mesh) or mesh.shape.get(axis, 1) == 1:
+    mesh = sh.mesh  # a Mesh, or under jax.jit the AbstractMesh of an explicit-axes mesh
+    if not isinstance(mesh, (Mesh, AbstractMesh)) or dict(mesh.shape).get(axis, 1) == 1:
         return None
     return Parallel(mesh=mesh, dcp_axis=axis)
 

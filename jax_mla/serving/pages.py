@@ -96,7 +96,9 @@ def _on_host(fn, *args):
     import jax
 
     try:
-        cpu = jax.devices("cpu")[0]
+        # This process's own CPU device: under jax.distributed, jax.devices("cpu")[0] belongs
+        # to process 0 and other processes cannot compute on it.
+        cpu = jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return fn(*args)
     with jax.default_device(cpu):
