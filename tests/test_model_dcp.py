@@ -65,6 +65,7 @@ class Side:
             return AttentionBatch(slot_mapping=slots, decode=md, **pre)
         p = self.par
         tables = self.mgr.block_tables(ids, rows=len(ids))
+        tables = tables[None] if tables.ndim == 2 else tables  # a DCP axis of size 1
         pos, req = self.mgr.token_positions(ids, None, counts, capacity=cap)
         md = None
         if decode_qlen:
@@ -109,8 +110,10 @@ def _run_both(rng, par, *, steps=(("prefill", 1), ("decode", 1), ("decode", 1), 
     return errs, params, dcp
 
 
-@pytest.mark.parametrize("n,tp,interleave", [(4, 1, 1), (2, 2, 2), (4, 2, 1)])
+@pytest.mark.parametrize("n,tp,interleave", [(4, 1, 1), (2, 2, 2), (4, 2, 1), (1, 4, 1)])
 def test_dcp_layer_equals_single_device(rng, n, tp, interleave):
+    """DCP, DCP x head parallel, and head parallel alone (a DCP axis of size 1: the cache
+    replicated, each device its heads)."""
     mesh = _mesh(n, tp)
     par = Parallel(mesh=mesh, head_axis="tp" if tp > 1 else None, interleave=interleave)
     errs, _, _ = _run_both(rng, par)
