@@ -271,9 +271,14 @@ def test_fp8_step_under_jit(rng):
         return jax_mla.mla_mixed_step(*a[:-1], k_scale=a[-1], scale=p["scale"],
                                       workspace_tokens=8, q_fp8=True, prefill_fp8=True)
 
-    # Measured equal; XLA may divide by a reciprocal, and a scale one ulp away could flip an
-    # fp8 rounding or two.
-    assert rel_err(_f64(jax.jit(step)(*args)), _f64(step(*args))) < 1e-3
+    # Not bit-equal: fused under jit, XLA may divide by a reciprocal, and a dynamic scale one
+    # ulp away flips fp8 roundings (an e4m3 step is 2^-3 relative; seen 5.7e-3 over the step).
+    # Both must meet the fp8 tolerance against the oracle, and stay close to each other.
+    jitted, eager = jax.jit(step)(*args), step(*args)
+    assert rel_err(_f64(jitted), _f64(eager)) < 2e-2
+    want = _oracle(p)
+    for out in (jitted, eager):
+        assert max(_errors(p, out, want)) < TOL[E4M3, True]
 
 
 # --- fp8 prefill through mla_prefill ---------------------------------------------------------
