@@ -10,6 +10,9 @@ Public API:
   build_dcp_metadata     one DCP step's per-rank metadata and plan
   dcp_mla_attention      decode/verify with the cache sharded along the sequence over a mesh axis
   dcp_*                  the DCP sharding rule, slot mapping, cache write and layout helpers
+  dcp_allocate_cache     a DCP cache made in place: each device (process) creates only its pages
+  distributed            multi-process / multi-host runs on jax.distributed (``initialize``);
+                         ``python -m jax_mla.launch`` starts the processes of one on a host
   mla_prefill            varlen (causal) MHA-form prefill attention: ``out [T, H, Dv]`` (+ ``lse``)
   mla_prefill_with_context  prefill over the cached context, in workspace-bounded chunks
   mla_mixed_step         decode rows (absorbed) then prefill rows (MHA) in one step
@@ -23,7 +26,7 @@ Public API:
   serving                the cache manager and a continuous-batching engine (the demo's)
 """
 
-from jax_mla import heads, model, serving
+from jax_mla import distributed, heads, model, serving
 from jax_mla.attention import mla_attention
 from jax_mla.backends import available_backends, register_backend, registered_backends
 from jax_mla.backends.triton import PrefillTritonConfig, TritonTuning
@@ -34,6 +37,7 @@ from jax_mla.dcp import (
     DcpMetadata,
     DcpShardings,
     build_dcp_metadata,
+    dcp_allocate_cache,
     dcp_local_metadata,
     dcp_local_seq_lens,
     dcp_max_local_pages,
@@ -66,6 +70,7 @@ __all__ = [
     "build_decode_metadata",
     "calibrate_fp8_scale",
     "checked",
+    "dcp_allocate_cache",
     "dcp_local_metadata",
     "dcp_local_seq_lens",
     "dcp_max_local_pages",
@@ -75,6 +80,7 @@ __all__ = [
     "dcp_slot_mapping",
     "dcp_verify_row_lens",
     "dcp_write_kv_cache",
+    "distributed",
     "heads",
     "merge_attn_states",
     "mla_attention",

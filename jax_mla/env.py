@@ -31,6 +31,27 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
 - ``TRITON_INTERPRET``: Triton's own switch; on a CPU host jax_mla sets it to ``1`` when triton
   is not yet imported.
 
+Multi-process runs (:func:`jax_mla.distributed.initialize`, read when it is called; ``python -m
+jax_mla.launch`` sets the first four for every process it starts, and the heartbeat timeout
+when given; docs/dcp.md, *Across processes and hosts*):
+
+- ``JAX_MLA_COORDINATOR``: ``host:port`` of the coordinator service process 0 starts.
+- ``JAX_MLA_NUM_PROCESSES`` / ``JAX_MLA_PROCESS_ID``: the number of processes and this one's id
+  (``0 .. N - 1``).
+- ``JAX_MLA_LOCAL_DEVICE_IDS``: comma-separated GPUs this process drives (e.g. ``2,3``); unset:
+  all it sees. Ignored on CPU.
+- ``JAX_MLA_HEARTBEAT_TIMEOUT``: seconds without a heartbeat after which a process counts as dead
+  and every other process stops with an error naming it (default 100, jax's).
+- ``JAX_MLA_INIT_TIMEOUT`` / ``JAX_MLA_SHUTDOWN_TIMEOUT``: seconds to wait for every process to
+  connect / to reach the shutdown barrier (default 300 each, jax's).
+- ``JAX_MLA_GLOO_HOSTNAME``: address the CPU (gloo) collectives listen on (default: the
+  coordinator's host when it is a loopback address, else gloo's choice, the host name's address).
+- ``JAX_MLA_COORDINATOR_PORT``: the coordinator's port under torchrun (default ``MASTER_PORT +
+  1``: torchrun's own store holds ``MASTER_PORT``).
+- Read, not ours: torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``; and whether a cluster jax detects by itself is present (``SLURM_JOB_ID``,
+  ``OMPI_MCA_orte_hnp_uri``, ``JAX_COORDINATOR_ADDRESS``).
+
 Nothing else in the package reads ``os.environ`` for jax_mla's own settings.
 """
 
@@ -47,19 +68,31 @@ ENV_VARS = (
     "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_FFI_LIBRARY", "JAX_MLA_CACHE_DIR",
     "JAX_MLA_AITER_SMALL_HEAD_MODE",
     "JAX_MLA_POISON_OUTPUTS", "TRITON_INTERPRET",
+    "JAX_MLA_COORDINATOR", "JAX_MLA_NUM_PROCESSES", "JAX_MLA_PROCESS_ID",
+    "JAX_MLA_LOCAL_DEVICE_IDS", "JAX_MLA_HEARTBEAT_TIMEOUT", "JAX_MLA_INIT_TIMEOUT",
+    "JAX_MLA_SHUTDOWN_TIMEOUT", "JAX_MLA_GLOO_HOSTNAME", "JAX_MLA_COORDINATOR_PORT",
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "JAX_COORDINATOR_ADDRESS",
 )
 
 
-def _get(name: str) -> str | None:
+def _get(name: str, environ=None) -> str | None:
+    """``name``'s value stripped, None when unset or blank; from ``environ`` (a mapping) when
+    given, else the process environment."""
     if name not in ENV_VARS:
         raise KeyError(f"{name} is not in jax_mla's table of environment variables")
-    v = os.environ.get(name)
+    v = (os.environ if environ is None else environ).get(name)
     return v.strip() if v is not None and v.strip() else None
 
 
-def read_int(name: str) -> int | None:
+def read_str(name: str, environ=None) -> str | None:
+    """The text in ``name``, or None when unset or empty."""
+    return _get(name, environ)
+
+
+def read_int(name: str, environ=None) -> int | None:
     """The integer in ``name``, or None when unset or empty."""
-    v = _get(name)
+    v = _get(name, environ)
     if v is None:
         return None
     try:

@@ -2,14 +2,15 @@
 
 - ``layout.py``: the integer rules (which rank owns which token, local lengths, slots).
 - ``combine.py``: merging the ranks' partials by LSE (``ag_rs`` and ``a2a``).
-- ``attention.py``: the mesh layout, the sharded cache write, :func:`build_dcp_metadata` and
-  :func:`dcp_mla_attention`.
+- ``attention.py``: the mesh layout, the sharded cache (made in place, written in place),
+  :func:`build_dcp_metadata` and :func:`dcp_mla_attention`.
 """
 
 from jax_mla.dcp.attention import (
     DcpMetadata,
     DcpShardings,
     build_dcp_metadata,
+    dcp_allocate_cache,
     dcp_mla_attention,
     dcp_shard_cache,
     dcp_shardings,
@@ -29,6 +30,7 @@ __all__ = [
     "DcpMetadata",
     "DcpShardings",
     "build_dcp_metadata",
+    "dcp_allocate_cache",
     "dcp_local_metadata",
     "dcp_local_seq_lens",
     "dcp_max_local_pages",

@@ -11,8 +11,10 @@ rank. DCP instead splits each request's context round robin over ``N`` ranks of 
   (``combine.py``).
 
 A step's per-rank metadata and plan are built once by :func:`build_dcp_metadata` and shared by
-every layer. New tokens are written only on the rank that owns them (:func:`dcp_write_kv_cache`);
-:func:`dcp_shard_cache` moves an existing single-device cache into this layout.
+every layer. New tokens are written only on the rank that owns them (:func:`dcp_write_kv_cache`),
+into a cache each device creates for itself (:func:`dcp_allocate_cache`: across processes, each
+holds only its own devices' pages); :func:`dcp_shard_cache` moves an existing single-device cache
+into this layout.
 """
 
 from __future__ import annotations
@@ -118,6 +120,46 @@ def dcp_shard_cache(kv_cache, block_table, seq_lens, *, world_size: int, interle
         sh = dcp_shardings(mesh, dcp_axis=dcp_axis)
         kv, tables = jax.device_put(kv, sh.kv_cache), jax.device_put(tables, sh.block_tables)
     return kv, tables
+
+
+def dcp_allocate_cache(pages_per_rank: int, page_size: int, width: int = 576, *, mesh: Mesh,
+                       dtype=jnp.bfloat16, dcp_axis: str = "dcp", fill_value=0.0) -> jax.Array:
+    """A DCP cache made where it lives: each device creates only its own pages.
+
+    The cache comes out of a jitted fill whose output sharding is the DCP layout, so no host
+    copy of it exists and no device (no process, under ``jax.distributed``) allocates pages
+    another rank holds: a process whose devices hold ``k`` of the ``N`` DCP ranks holds ``k /
+    N`` of the cache (times the replicas over the other mesh axes, e.g. a head axis). Fill it
+    with :func:`dcp_write_kv_cache`; :class:`jax_mla.PagedCacheManager` (``world_size=N``,
+    ``num_pages=pages_per_rank``) hands out its pages.
+
+    Args:
+      pages_per_rank: ``P_local``, pages of each DCP rank. page_size: rows per page.
+      width: ``L + R`` (576 for DeepSeek). dtype: the cache dtype (fp8 too).
+      mesh, dcp_axis: the mesh and its DCP axis (``N`` = its size).
+      fill_value: every slot's value (NaN makes stray reads visible in tests).
+    Returns:
+      ``[N * pages_per_rank, page_size, width]`` sharded like ``dcp_shardings(mesh).kv_cache``:
+      rank ``r`` holds pages ``[r * P_local, (r + 1) * P_local)``.
+    """
+    _check_mesh(mesh, dcp_axis, None)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a concrete jax.sharding.Mesh (its devices hold the "
+                        f"cache), got {type(mesh).__name__}")
+    for name, v in (("pages_per_rank", pages_per_rank), ("page_size", page_size),
+                    ("width", width)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    shape = (mesh.shape[dcp_axis] * int(pages_per_rank), int(page_size), int(width))
+    return _allocator(shape, jnp.dtype(dtype), float(fill_value),
+                      NamedSharding(mesh, P(dcp_axis)))()
+
+
+@functools.lru_cache(maxsize=16)
+def _allocator(shape, dtype, fill_value, sharding):
+    # The sharding as the jitted fill's output sharding: XLA sizes each device's buffer to its
+    # shard and fills it in place (each process runs only its own devices' part).
+    return jax.jit(functools.partial(jnp.full, shape, fill_value, dtype), out_shardings=sharding)
 
 
 def dcp_write_kv_cache(kv_cache, kv_c, k_pe, positions, request_ids, block_tables, *,
