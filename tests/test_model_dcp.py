@@ -148,6 +148,8 @@ def test_parallel_chosen_from_the_cache_sharding(rng):
     with pytest.raises(ValueError, match="AttentionBatch.positions"):
         mla_layer(params, CFG, x, pos, dcp.cache, AttentionBatch(slot_mapping=None),
                   parallel=par)
+    with pytest.raises(ValueError, match="AttentionBatch.slot_mapping is required"):
+        mla_layer(params, CFG, x, pos, jnp.zeros((POOL, PAGE, 40)), batch, parallel=None)
 
 
 def test_dcp_layer_moves_no_kv_sized_array(rng):

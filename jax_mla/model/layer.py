@@ -264,6 +264,9 @@ def mla_layer(params: dict, cfg: MLAConfig, x, positions, kv_cache, batch: Atten
                                   k_scale=k_scale, decode_backend=decode_backend,
                                   prefill_backend=prefill_backend, **attention_options)
         return output_projection(params, out), kv_cache
+    if batch.slot_mapping is None:
+        raise ValueError("AttentionBatch.slot_mapping is required with a single-device cache "
+                         "(positions / request_ids / block_tables serve a DCP-sharded one)")
     kv_cache = write_kv_cache(kv_cache, kv_c, k_pe, batch.slot_mapping, k_scale=k_scale)
     out = mla_mixed_step(
         q, kv_c, k_pe, kv_cache, params["kv_b_proj"]["w"], batch.decode,
