@@ -33,9 +33,9 @@ def params():
     return init_model(CFG, jax.random.key(7), jnp.float32)
 
 
-def _requests(rng, n, *, vocab=CFG.vocab_size):
-    return [Request(rid=i, prompt=rng.integers(0, vocab, int(rng.integers(1, 40))).tolist(),
-                    max_new_tokens=int(rng.integers(1, 12))) for i in range(n)]
+def _requests(rng, n, *, vocab=CFG.vocab_size, prompt=(1, 40), new=(1, 12)):
+    return [Request(rid=i, prompt=rng.integers(0, vocab, int(rng.integers(*prompt))).tolist(),
+                    max_new_tokens=int(rng.integers(*new))) for i in range(n)]
 
 
 def _serve(engine, reqs, arrivals=2):
@@ -64,7 +64,10 @@ def test_served_tokens_equal_recompute(params, rng, spec, num_pages):
                         max_prefill_seqs=2, prefill_tokens=16, spec_tokens=spec,
                         workspace_tokens=32, check_every=3, backend="xla")
     engine = Engine(params, CFG, ecfg, dtype=jnp.float32)
-    reqs = _requests(rng, 10)
+    if num_pages < 10:  # long requests: two of them outgrow the 9 pages, so one is evicted
+        reqs = _requests(rng, 10, prompt=(30, 40), new=(10, 12))
+    else:
+        reqs = _requests(rng, 10)
     reports = _serve(engine, reqs)
     assert sorted(r.rid for r in engine.finished) == list(range(10))
     assert all(len(r.output) == r.max_new_tokens for r in engine.finished)
