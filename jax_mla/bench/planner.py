@@ -23,12 +23,12 @@ from jax_mla.bench.decode import Shape, builder, make_inputs
 
 SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "128,16,8192", "128,128,4096", "32,16,32768")
 # name: (chunks (requests, programs, works; None: the default), warps)
-VARIANTS = {"default": (None, 8), "c128w8": ((128, 128, 128), 8), "c128w4": ((128, 128, 128), 4),
-            "c64w4": ((64, 64, 64), 4), "c32w4": ((32, 32, 32), 4), "c32w1": ((32, 32, 32), 1),
-            "c256w8": ((256, 256, 256), 8), "c64w2": ((64, 64, 64), 2)}
+VARIANTS = {"default": (None, 8), "default_w4": (None, 4), "r32p512w8": ((32, 512, 512), 8),
+            "c128w8": ((128, 128, 128), 8)}
 
 
-def run(specs) -> list[dict]:
+def run(specs, path=None) -> list[dict]:
+    """The rows, each also written to ``path`` (JSON) as soon as it is measured."""
     rows = []
     for spec in specs:
         shape = Shape.parse(spec)
@@ -61,14 +61,15 @@ def run(specs) -> list[dict]:
                                      "exact": exact}
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if path:
+            with open(path, "w") as f:
+                json.dump(rows, f, indent=1)
     return rows
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    rows = run(argv[1:] or SHAPES)
-    with open(argv[0], "w") as f:
-        json.dump(rows, f, indent=1)
+    run(argv[1:] or SHAPES, argv[0])
     return 0
 
 

@@ -27,14 +27,43 @@ def _events(prof) -> list[dict]:
     return sorted(ev, key=lambda e: float(e["ts"]))
 
 
-def _profile(run):
+def _profile(run, raw=False):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.init()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
+    if raw:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                return json.load(f).get("traceEvents", [])
     return _events(prof)
+
+
+def graph_launches(fn, *args, calls: int = 20) -> dict:
+    """How ``jax.jit(fn)``'s calls reach the GPU, per call, from the CUDA API records: graph
+    launches (``cuGraphLaunch``/``cudaGraphLaunch``) against kernel launches made one by one.
+    XLA now forms its command buffers after the HLO passes, where the compiled HLO text no
+    longer shows them: this is the evidence that counts."""
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+
+    def run():
+        for _ in range(calls):
+            jax.block_until_ready(f(*args))
+
+    ev = _profile(run, raw=True)
+    api = [e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    graph = sum("GraphLaunch" in e.get("name", "") for e in api)
+    single = sum(e.get("name", "") in ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel",
+                                       "cudaLaunchKernelExC") for e in api)
+    kernels = [e for e in ev if e.get("cat") == "kernel"]
+    in_graph = sum(bool((e.get("args") or {}).get("graph id")) for e in kernels)
+    return {"graph_launches": graph / calls, "single_launches": single / calls,
+            "kernels": len(kernels) / calls, "kernels_in_graphs": in_graph / calls}
 
 
 def family(name: str) -> str:

@@ -6,14 +6,15 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``env``: devices, versions, clocks;
 - ``tests``: the conformance suite on the GPU (``tests_quick``: without its long ragged cases);
 - ``bench``: the decode grid, both timers, every backend (``python -m jax_mla.bench`` with the
-  arguments after ``--``);
+  arguments after ``--``); ``bench_triton``: the Triton backend's alone;
 - ``kernels``: each kernel's GPU time and launches per call (CUPTI) at :data:`KERNEL_SHAPES`;
 - ``gaps``: where the stream time goes at :data:`GAP_SHAPES`: the timing chain under CUPTI, each
   kernel's time and the GPU's idle gap before it;
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`;
-- ``memcheck``: the bad-value tests and the launcher's GPU test under compute-sanitizer;
+- ``memcheck``: the bad-value tests, the launcher's GPU test and the Triton fuzz cases under
+  compute-sanitizer, in the background (``memcheck_wait`` waits for it; the session's end too);
 - ``graphs``: the command buffers XLA forms around our launches (:data:`GRAPH_SHAPES`);
 - ``planner``: a step's metadata on the GPU, and the planning kernel's knobs
   (``python -m jax_mla.bench.planner``);
@@ -21,7 +22,7 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   checkout has none, runs its GPU tests and the planning kernel's bit-exactness test;
   ``conformance_ffi``: the Triton half of the conformance suite through both (the GPU
   defaults);
-- ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton, FFI with XLA-op metadata, FFI
+- ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
   with the planning kernel) at :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both
   timers, metadata, command buffers, into ``launcher_ab.json``.
 
@@ -53,10 +54,10 @@ AB_SHAPES = ("32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_VARIANTS = ("base", "general:affine_reduce=0", "line:split_plan=line", "no_l2:l2_hints=0")
 LAUNCHER_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "128,16,8192",
                    "32,16,32768", "128,128,4096", "64,16,4096,4", "64,16,4096,1,64,fp8")
-# jax-triton with XLA-op metadata (the path before the FFI launcher), the FFI launcher with the
-# same metadata, and the defaults since (the FFI launcher and the planning kernel).
+# jax-triton with XLA-op metadata (the path before the FFI launcher), and the defaults since (the
+# FFI launcher and the planning kernel).
 LAUNCHER_VARIANTS = ("jax_triton:launcher=jax_triton,planner=jnp",
-                     "ffi_jnp:launcher=ffi,planner=jnp", "ffi:launcher=ffi,planner=kernel")
+                     "ffi:launcher=ffi,planner=kernel")
 
 
 def log(*a):
@@ -74,12 +75,40 @@ def start_peer_build():
     global _peer_build
     if not os.path.isdir(PEERS) or _peer_build is not None:
         return
+    built = _peer_library()
+    if built:  # carried back from an earlier call (``peer_save``)
+        _peer_build = subprocess.Popen(["true"])
+        log("FlashMLA already built:", built)
+        return
     log_path = os.path.join(os.path.dirname(os.path.abspath(OUT)), "flashmla_build.log")
     env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "8"))
     with open(log_path, "w") as f:
         _peer_build = subprocess.Popen([sys.executable, "flashmla_setup.py", "build_ext",
                                         "--inplace"], cwd=PEERS, stdout=f, stderr=f, env=env)
     log("building FlashMLA in the background, log", log_path)
+
+
+def _peer_library() -> str | None:
+    lib = os.path.join(PEERS, "flash_mla")
+    names = [n for n in os.listdir(lib) if n.startswith("cuda.") and n.endswith(".so")] \
+        if os.path.isdir(lib) else []
+    return os.path.join(lib, names[0]) if names else None
+
+
+def stage_peers(_):
+    """Start FlashMLA's build now (the ``bench`` and ``launcher`` stages start it otherwise)."""
+    start_peer_build()
+
+
+def stage_peer_save(_):
+    """Wait for FlashMLA's build and put its extension in ``$OUT``, to be carried back into
+    ``.peers/flashmla/flash_mla/`` on a later call (the build is skipped then)."""
+    import shutil
+
+    if peer_path() and _peer_library():
+        shutil.copy(_peer_library(), OUT)
+        log("FlashMLA extension saved:", os.path.basename(_peer_library()),
+            os.path.getsize(_peer_library()), "bytes")
 
 
 def peer_path() -> str | None:
@@ -142,6 +171,11 @@ def stage_tests_quick(_):
 
 def stage_bench(bench_args):
     _python(["-m", "jax_mla.bench", "--out", OUT, *bench_args], 1200, "bench")
+
+
+def stage_bench_triton(_):
+    """The decode grid for the Triton backend alone (and FlashMLA where built)."""
+    _python(["-m", "jax_mla.bench", "--out", OUT, "--backends", "triton"], 1200, "bench")
 
 
 def stage_kernels(_):
@@ -279,7 +313,7 @@ def stage_graphs(_):
         for name, (f, a) in programs.items():
             rows.append({"shape": shape.name, "program": name,
                          "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                         **profile.command_buffers(f, *a)})
+                         **profile.command_buffers(f, *a), **profile.graph_launches(f, *a)})
             log(rows[-1])
         if i == 0:
             with open(os.path.join(OUT, "step_hlo.txt"), "w") as f:
@@ -288,26 +322,73 @@ def stage_graphs(_):
         json.dump(rows, f, indent=1)
 
 
-def stage_memcheck(_):
-    """The bad-value tests (deliberately out-of-range block tables included) and the launcher's
-    GPU test under ``compute-sanitizer --tool memcheck``: its log to ``memcheck.txt``."""
-    lib = _ffi_library()
-    path = os.path.join(OUT, "memcheck.txt")
-    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
-           "--log-file", path, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/test_bad_values.py", "tests/test_ffi_launch.py::"
-           "test_ffi_and_jax_triton_launchers_agree_on_the_gpu"]
+MEMCHECK_RUNS = (
+    # name: pytest or script arguments (after ``python``), time limit in seconds
+    # The tests that launch kernels on bad values (the rest raise before any launch).
+    ("bad_values", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_bad_values.py",
+                    "tests/test_ffi_launch.py::test_ffi_and_jax_triton_launchers_agree_on_the_gpu",
+                    "-k", "clamps or agree or (triton and (entries or degenerate))"], 240),
+    ("fuzz_invalid", ["tests/fuzz_cases.py", "invalid", "triton", "6"], 150),
+)
+_memcheck = None
+
+
+def _memcheck_runs(lib):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(JAX_MLA_FFI_LIBRARY=lib, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
-        rc, text = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, text = -1, f"TIMEOUT\n{e.stdout or ''}"
-    tail = [ln for ln in str(text).strip().splitlines() if ln.strip()][-6:]
-    summary = [ln for ln in open(path).read().splitlines() if "ERROR SUMMARY" in ln] \
-        if os.path.exists(path) else []
-    log(f"memcheck rc={rc} {summary}\n  " + "\n  ".join(tail))
+    env.update(JAX_MLA_FFI_LIBRARY=lib, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), "tests",
+                                                        env.get("PYTHONPATH")])),
+               # XLA's GEMM autotuning would run dozens of candidates under the sanitizer.
+               XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip())
+    for name, args, limit in MEMCHECK_RUNS:
+        path = os.path.join(OUT, f"memcheck_{name}.txt")
+        cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
+               "--log-file", path, sys.executable, *args]
+        t = time.time()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+            rc, text = r.returncode, r.stdout + r.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, text = -1, f"TIMEOUT after {limit}s\n{e.stdout or ''}"
+        tail = [ln for ln in str(text).strip().splitlines() if ln.strip()][-6:]
+        summary = [ln for ln in open(path).read().splitlines() if "ERROR SUMMARY" in ln] \
+            if os.path.exists(path) else []
+        log(f"memcheck {name} rc={rc} in {time.time() - t:.0f} s {summary}\n  "
+            + "\n  ".join(tail))
+
+
+GRAPH_FLAGS = ("--xla_gpu_graph_min_graph_size=1",
+               "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL "
+               "--xla_gpu_graph_min_graph_size=1")
+
+
+def stage_graphs_flags(_):
+    """The ``graphs`` stage again under each of :data:`GRAPH_FLAGS` (rows to the log only)."""
+    for flags in GRAPH_FLAGS:
+        _python(["-m", "jax_mla.bench.session", "graphs"], 150, f"graphs with {flags}",
+                XLA_FLAGS=flags, OUT=os.path.join(os.path.dirname(os.path.abspath(OUT)),
+                                                  "graphs_flags"),
+                JAX_MLA_FFI_LIBRARY=_ffi_library())
+
+
+def stage_memcheck(_):
+    """Under ``compute-sanitizer --tool memcheck`` (:data:`MEMCHECK_RUNS`): the bad-value tests
+    (deliberately out-of-range block tables included), the launcher's GPU test, and the fuzz
+    suite's invalid problems on the Triton backend; each log to ``memcheck_*.txt``.
+    Started in the background (it needs little of the GPU and is not timed); the session waits
+    for it before it ends, or at the ``memcheck_wait`` stage."""
+    import threading
+
+    global _memcheck
+    lib = _ffi_library()
+    _memcheck = threading.Thread(target=_memcheck_runs, args=(lib,), daemon=True)
+    _memcheck.start()
+    log("memcheck started in the background")
+
+
+def stage_memcheck_wait(_):
+    if _memcheck is not None:
+        _memcheck.join()
 
 
 def stage_planner(_):
@@ -334,7 +415,7 @@ def main(argv=None) -> int:
     if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         _CHILD_ENV_DROP.add("XLA_PYTHON_CLIENT_PREALLOCATE")
-    if {"bench", "launcher"} & set(stages):
+    if {"bench", "bench_triton", "launcher"} & set(stages):
         start_peer_build()
     for name in stages:
         log(f"== {name}")
@@ -342,6 +423,7 @@ def main(argv=None) -> int:
             STAGES[name](bench_args)
         except Exception as e:  # noqa: BLE001 - a failing stage is logged; the others still run
             log(f"stage {name} failed: {e!r}")
+    stage_memcheck_wait(None)
     return 0
 
 

@@ -264,6 +264,17 @@ def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_bl
 _MODE_IDS = {"auto": 0, "line": 1, "even": 2}
 
 
+def default_plan_chunks(num_seqs: int, num_programs: int) -> tuple[int, int, int]:
+    """The planning kernel's chunks of requests, programs and works: each the next power of two
+    of its count, within [16, 128] requests and [16, 512] programs and works (no step of the
+    kernel compares every request with every program, so wide vectors are cheap)."""
+    def pow2(n):
+        return 1 << max(0, n - 1).bit_length()
+
+    return (min(128, max(16, pow2(num_seqs))), min(512, max(16, pow2(num_programs))),
+            min(512, max(16, pow2(num_programs + num_seqs))))
+
+
 def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_blocks=1,
                        mode="auto", target="cuda", launcher=None,
                        chunks=None, num_warps=8) -> SplitSchedule:
@@ -271,7 +282,7 @@ def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_
     bit for bit, in a single launch instead of XLA's chain of small kernels.
 
     ``chunks``: requests, programs and works a program handles at once (powers of two; by
-    default 128 each, the requests' chunk no wider than the batch needs, at least 16);
+    default :func:`default_plan_chunks`);
     ``num_warps``: the program's warps; ``target`` and ``launcher`` as ``launch.triton_call``.
     Jittable; nothing is read back to the host.
     """
@@ -285,7 +296,7 @@ def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_
     shapes = [((p + 1,), i32), ((cap, 8), i32), ((1,), i32), ((b + 1,), i32), ((b, 2), i32),
               ((cap,), i32), ((nt,), i32), ((nt, 2), i32),
               ((plan_kernel.scratch_size(b, p),), i32)]
-    cb, cp, cw = chunks or (min(128, max(16, 1 << (b - 1).bit_length())), 128, 128)
+    cb, cp, cw = chunks or default_plan_chunks(b, p)
     outs = triton_call(
         plan_kernel.mla_plan_kernel, seq_lens.astype(i32), kv_indptr.astype(i32),
         grid=(1,), out_shapes=[jax.ShapeDtypeStruct(s, d) for s, d in shapes],

@@ -6,9 +6,12 @@ of small kernels (sorts, binary searches as while loops, scatters, cumulative su
 step's metadata cost hundreds of launches on a GPU. One program walks the requests and the
 programs in chunks (``CB`` requests, ``CP`` programs, ``CW`` works at a time), keeps per-request
 and per-program intermediates in ``scratch`` (global memory, re-read after a block barrier), and
-writes every output of the schedule. Binary searches become counts over chunks
-(``count(a <= x)``); the sort of cut points becomes a merge of two sorted lists (request starts,
-and program starts that are new), each element stored at its rank.
+writes every output of the schedule. No step compares every program with every request: the
+binary searches (the request a program's cut falls in) become marks that each request scatters
+at its first program, then a running maximum over programs; the sort of cut points becomes a
+merge of two sorted lists (request starts, and program starts that are new), each element
+stored at its rank, with per-request counts of new starts (atomic adds) for the offsets. Every
+step is O(B + P) vector work, a few dependent loads deep.
 
 All arithmetic is int32 on non-negative values (``//`` then truncates like floor division).
 Cost units, plans and the choice between them: see ``schedule.py``.
@@ -21,20 +24,13 @@ BIG = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _count_le(ptr, n, xs, STRICT: tl.constexpr, CB: tl.constexpr):
-    """``count(a < x)`` (``STRICT``) or ``count(a <= x)`` for each ``x`` of ``xs``, ``a`` the first
-    ``n`` int32 values at ``ptr``, read ``CB`` at a time."""
-    acc = tl.zeros(xs.shape, tl.int32)
-    offs = tl.arange(0, CB)
-    for c in range(0, n, CB):
-        i = c + offs
-        a = tl.load(ptr + i, mask=i < n, other=BIG)
-        if STRICT:
-            hit = a[None, :] < xs[:, None]
-        else:
-            hit = a[None, :] <= xs[:, None]
-        acc += tl.sum(hit.to(tl.int32), axis=1)
-    return acc
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _cummax(x):
+    return tl.associative_scan(x, 0, _max2)
 
 
 @triton.jit
@@ -56,8 +52,10 @@ def mla_plan_kernel(
     """``MODE``: 0 auto, 1 line, 2 even. Scratch (int32, :func:`scratch_size`): ``[0, B)``
     request starts, ``[B, 2B)`` blocks, ``[2B, 3B)`` pieces ``k``, ``[3B, 4B)`` cumulative pieces,
     ``[4B, 5B + 1)`` each request's first work (its rank), then per program the line cuts, the
-    whole-request cuts, the even cuts, the final cuts and whether that cut is a new work
-    (``P`` each), then per work its unit, its request and its program (``P + B`` each)."""
+    whole-request cuts, the even cuts and the final cuts (``P`` each), then per work its unit
+    and its request (``P + B`` each), then per program what gives its first work, the two
+    plans' search marks, and ``count(starts <= cut)`` for each plan's cut and the final one
+    (``P`` each), then per request the new program starts inside it (``B``)."""
     CAP: tl.constexpr = P + B
     S_START: tl.constexpr = 0
     S_BLOCKS: tl.constexpr = B
@@ -68,10 +66,16 @@ def mla_plan_kernel(
     S_SNAP: tl.constexpr = S_LINE + P
     S_EVEN: tl.constexpr = S_SNAP + P
     S_CUT: tl.constexpr = S_EVEN + P
-    S_NEW: tl.constexpr = S_CUT + P
-    S_U0: tl.constexpr = S_NEW + P
+    S_U0: tl.constexpr = S_CUT + P
     S_R: tl.constexpr = S_U0 + CAP
-    S_PROG: tl.constexpr = S_R + CAP
+    S_PV: tl.constexpr = S_R + CAP
+    S_LMARK: tl.constexpr = S_PV + P  # line plan: the last request starting at or before p's cut
+    S_EMARK: tl.constexpr = S_LMARK + P  # even plan: the request whose pieces begin at p
+    S_LLE: tl.constexpr = S_EMARK + P  # count(starts <= cut), for each plan's cut and the final
+    S_SLE: tl.constexpr = S_LLE + P
+    S_ELE: tl.constexpr = S_SLE + P
+    S_LE: tl.constexpr = S_ELE + P
+    S_CNT: tl.constexpr = S_LE + P  # new program starts inside each request
     ob = tl.arange(0, CB)
     op = tl.arange(0, CP)
     ow = tl.arange(0, CW)
@@ -90,11 +94,16 @@ def mla_plan_kernel(
         ends = tl.cumsum(cost, axis=0) + carry
         tl.store(scratch_ptr + S_START + i, ends - cost, mask=m)
         tl.store(scratch_ptr + S_BLOCKS + i, blocks, mask=m)
+        tl.store(scratch_ptr + S_CNT + i, tl.zeros([CB], tl.int32), mask=m)
         carry = carry + tl.sum(cost, axis=0)
         sum_blocks = sum_blocks + tl.sum(tl.where(m, blocks, 0), axis=0)
         max_blocks = tl.maximum(max_blocks, tl.max(tl.where(m, blocks, 0), axis=0))
     total = carry
     chunk = tl.maximum(1, (total + P - 1) // P)
+    for c in range(0, P, CP):
+        p = c + op
+        tl.store(scratch_ptr + S_LMARK + p, tl.zeros([CP], tl.int32), mask=p < P)
+        tl.store(scratch_ptr + S_EMARK + p, tl.zeros([CP], tl.int32), mask=p < P)
     tl.debug_barrier()
 
     # The even-pieces plan: the least piece size t whose pieces need at most P programs, found
@@ -128,6 +137,12 @@ def mla_plan_kernel(
         kend = tl.cumsum(k, axis=0) + carry
         tl.store(scratch_ptr + S_K + i, k, mask=m)
         tl.store(scratch_ptr + S_KEND + i, kend, mask=m)
+        # Searches as running maxima over programs: request i marks the first program whose
+        # line cut reaches its start, and the program that runs its first piece.
+        st = tl.load(scratch_ptr + S_START + i, mask=m, other=0)
+        first_p = (st + chunk - 1) // chunk
+        tl.atomic_max(scratch_ptr + S_LMARK + first_p, i, mask=m & (first_p < P))
+        tl.store(scratch_ptr + S_EMARK + kend - k, i, mask=m & (kend - k < P))
         carry = carry + tl.sum(k, axis=0)
         longest_piece = tl.maximum(longest_piece,
                                    tl.max(tl.where(m, (blk + k - 1) // tl.maximum(k, 1), 0),
@@ -140,33 +155,44 @@ def mla_plan_kernel(
     # piece with only its overhead unit), the nearest-boundary cuts, the even plan's cuts.
     longest_snap = zero
     line_cost = zero
+    run_l = zero
+    run_e = zero
     for c in range(0, P, CP):
         p = c + op
         mp = p < P
         pc = p * chunk
-        rb = tl.minimum(tl.maximum(_count_le(scratch_ptr + S_START, B, pc, False, CB) - 1, 0),
-                        B - 1)
+        # count(starts <= pc) - 1
+        rb = tl.maximum(_cummax(tl.load(scratch_ptr + S_LMARK + p, mask=mp, other=0)), run_l)
+        run_l = tl.max(rb, axis=0)
         st = tl.load(scratch_ptr + S_START + rb)
         a = pc - st
         pc = tl.where((a > 0) & (a <= OVERHEAD), st, pc)
         tl.store(scratch_ptr + S_LINE + p, pc, mask=mp)
-        # Nearest request boundary: bounds are the starts, then the total.
-        j = _count_le(scratch_ptr + S_START, B, pc, True, CB) + (total < pc).to(tl.int32)
+        tl.store(scratch_ptr + S_LLE + p, rb + 1, mask=mp)
+        # Nearest request boundary: bounds are the starts, then the total; j = count(starts <
+        # pc) + (total < pc).
+        j = rb + (pc != st).to(tl.int32) + (total < pc).to(tl.int32)
         ib = tl.maximum(j - 1, 0)
         below = tl.where(ib < B, tl.load(scratch_ptr + S_START + tl.minimum(ib, B - 1)), total)
         ia = tl.minimum(j, B)
         above = tl.where(ia < B, tl.load(scratch_ptr + S_START + tl.minimum(ia, B - 1)), total)
-        snap = tl.where(pc - below <= above - pc, below, above)
+        lower = pc - below <= above - pc
+        snap = tl.where(lower, below, above)
+        snap_le = tl.where(lower, tl.minimum(ib + 1, B), tl.minimum(ia + 1, B))
         snap = tl.where(p == 0, 0, snap)
+        snap_le = tl.where(p == 0, 1, snap_le)
         tl.store(scratch_ptr + S_SNAP + p, snap, mask=mp)
-        # Even pieces: program p runs piece j of request r.
-        r = tl.minimum(_count_le(scratch_ptr + S_KEND, B, p, False, CB), B - 1)
+        tl.store(scratch_ptr + S_SLE + p, snap_le, mask=mp)
+        # Even pieces: program p runs piece j of request r = min(count(kend <= p), B - 1).
+        r = tl.maximum(_cummax(tl.load(scratch_ptr + S_EMARK + p, mask=mp, other=0)), run_e)
+        run_e = tl.max(r, axis=0)
         k = tl.load(scratch_ptr + S_K + r)
         kend = tl.load(scratch_ptr + S_KEND + r)
         blk = tl.load(scratch_ptr + S_BLOCKS + r)
         jj = p - (kend - k)
         first = tl.load(scratch_ptr + S_START + r) + tl.where(
             jj == 0, 0, OVERHEAD + (jj * blk) // tl.maximum(k, 1))
+        tl.store(scratch_ptr + S_ELE + p, r + 1, mask=mp)
         tl.store(scratch_ptr + S_EVEN + p, tl.where(p < pieces_total, first, BIG), mask=mp)
     tl.debug_barrier()
     for c in range(0, P, CP):
@@ -175,8 +201,7 @@ def mla_plan_kernel(
         pc = tl.load(scratch_ptr + S_LINE + p, mask=mp, other=total)
         nxt = tl.load(scratch_ptr + S_LINE + p + 1, mask=p + 1 < P, other=total)
         span = tl.where(pc < total, tl.minimum(nxt - pc, total - pc), 0)
-        rb = tl.minimum(tl.maximum(_count_le(scratch_ptr + S_START, B, pc, False, CB) - 1, 0),
-                        B - 1)
+        rb = tl.load(scratch_ptr + S_LLE + p, mask=mp, other=1) - 1
         inside = tl.load(scratch_ptr + S_START + rb) != pc
         cost = span + tl.where(inside, OVERHEAD, 0)
         line_cost = tl.maximum(line_cost, tl.max(tl.where(mp, cost, 0), axis=0))
@@ -196,8 +221,13 @@ def mla_plan_kernel(
         pc = tl.load(scratch_ptr + S_LINE + p, mask=mp, other=0)
         pc = tl.where(take, tl.load(scratch_ptr + S_EVEN + p, mask=mp, other=0), pc)
         pc = tl.where(whole, tl.load(scratch_ptr + S_SNAP + p, mask=mp, other=0), pc)
+        le = tl.load(scratch_ptr + S_LLE + p, mask=mp, other=0)
+        le = tl.where(take, tl.load(scratch_ptr + S_ELE + p, mask=mp, other=0), le)
+        le = tl.where(whole, tl.load(scratch_ptr + S_SLE + p, mask=mp, other=0), le)
+        le = tl.where(pc < total, le, B)
         pc = tl.where(pc < total, pc, BIG)
         tl.store(scratch_ptr + S_CUT + p, pc, mask=mp)
+        tl.store(scratch_ptr + S_LE + p, le, mask=mp)
     tl.debug_barrier()
 
     # Works: the distinct cut points (request starts, and program starts that are new) in
@@ -208,28 +238,31 @@ def mla_plan_kernel(
         mp = p < P
         pc = tl.load(scratch_ptr + S_CUT + p, mask=mp, other=BIG)
         prev = tl.load(scratch_ptr + S_CUT + p - 1, mask=mp & (p > 0), other=-1)
-        le = _count_le(scratch_ptr + S_START, B, pc, False, CB)
+        le = tl.load(scratch_ptr + S_LE + p, mask=mp, other=B)  # count(starts <= pc)
         rb = tl.minimum(tl.maximum(le - 1, 0), B - 1)
         on_start = tl.load(scratch_ptr + S_START + rb) == pc
         new = mp & (pc < BIG) & (pc != prev) & (~on_start)
         rank = le + tl.cumsum(new.to(tl.int32), axis=0) - 1 + new_before
         tl.store(scratch_ptr + S_U0 + rank, pc, mask=new)
         tl.store(scratch_ptr + S_R + rank, rb, mask=new)
-        tl.store(scratch_ptr + S_NEW + p, new.to(tl.int32), mask=mp)
+        tl.atomic_add(scratch_ptr + S_CNT + rb, tl.full([CP], 1, tl.int32), mask=new)
+        # The program's first work, once the requests' ranks are known: its own rank (a new
+        # cut), its request's first work (-2 - rb: a cut on a request's start), or the program
+        # before's (-1: a repeated cut; beyond the works, the count of works).
+        pv = tl.where(new, rank, tl.where(on_start & (pc < BIG), -2 - rb, -1))
+        tl.store(scratch_ptr + S_PV + p, pv, mask=mp)
         new_before = new_before + tl.sum(new.to(tl.int32), axis=0)
     n_works = B + new_before
     tl.debug_barrier()
+    carry = zero
     for c in range(0, B, CB):
         i = c + ob
         m = i < B
         st = tl.load(scratch_ptr + S_START + i, mask=m, other=0)
-        before = tl.zeros([CB], tl.int32)  # new program starts below this request's start
-        for cp in range(0, P, CP):
-            p = cp + op
-            mp = p < P
-            pc = tl.load(scratch_ptr + S_CUT + p, mask=mp, other=BIG)
-            new = tl.load(scratch_ptr + S_NEW + p, mask=mp, other=0) != 0
-            before += tl.sum((new[None, :] & (pc[None, :] < st[:, None])).to(tl.int32), axis=1)
+        # New program starts below this request's start: those inside the requests before it.
+        cnt = tl.load(scratch_ptr + S_CNT + i, mask=m, other=0)
+        before = tl.cumsum(cnt, axis=0) - cnt + carry
+        carry = carry + tl.sum(cnt, axis=0)
         rank = i + before
         tl.store(scratch_ptr + S_U0 + rank, st, mask=m)
         tl.store(scratch_ptr + S_R + rank, i, mask=m)
@@ -269,7 +302,7 @@ def mla_plan_kernel(
     tl.store(num_works_ptr, n_works)
     tl.debug_barrier()
 
-    # Per work: its KV range, partial rows, program; then each program's first work.
+    # Per work: its KV range and partial rows; then each program's first work.
     for c in range(0, CAP, CW):
         w = c + ow
         mw = w < CAP
@@ -297,17 +330,25 @@ def mla_plan_kernel(
         tl.store(row + 6, tl.where(valid, n - hi_kv, zw), mask=mw)
         tl.store(row + 7, zw, mask=mw)
         tl.store(partial_map_ptr + w, tl.where(w < total_reduce, w * QLEN, -1), mask=mw)
-        # This work's program: the last program start at or before it.
-        prog = _count_le(scratch_ptr + S_CUT, P, u0, False, CP) - 1
-        tl.store(scratch_ptr + S_PROG + w, tl.where(valid, prog, P), mask=mw)
-    tl.debug_barrier()
-    for c in range(0, P + 1, CP):
+    # Each program's first work: cuts are sorted, so a repeated cut's value is the running
+    # maximum of the values before it.
+    run = zero
+    for c in range(0, P, CP):
         p = c + op
-        cnt = _count_le(scratch_ptr + S_PROG, CAP, p, True, CW)
-        tl.store(work_indptr_ptr + p, cnt, mask=p < P + 1)
+        mp = p < P
+        pv = tl.load(scratch_ptr + S_PV + p, mask=mp, other=-1)
+        pc = tl.load(scratch_ptr + S_CUT + p, mask=mp, other=BIG)
+        first = tl.load(scratch_ptr + S_RANK + tl.maximum(-2 - pv, 0), mask=mp & (pv <= -2),
+                        other=0)
+        val = tl.where(pv >= 0, pv, tl.where(pv <= -2, first, 0))
+        val = tl.where(pc < BIG, val, n_works)
+        val = tl.maximum(_cummax(val), run)
+        tl.store(work_indptr_ptr + p, val, mask=mp)
+        run = tl.maximum(run, tl.max(tl.where(mp, val, 0), axis=0))
+    tl.store(work_indptr_ptr + P, n_works)
 
 
 def scratch_size(num_seqs: int, num_programs: int) -> int:
     """int32 words of scratch :func:`mla_plan_kernel` needs."""
     b, p = num_seqs, num_programs
-    return 5 * b + 1 + 5 * p + 3 * (p + b)
+    return 5 * b + 1 + 4 * p + 2 * (p + b) + 7 * p + b
