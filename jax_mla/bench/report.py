@@ -4,14 +4,13 @@
 
 Reads whatever of these the folder holds (the stages of ``python -m jax_mla.bench.session``):
 ``decode.json`` (the grid, both timers), ``decode_before.json`` (the same grid run in the same
-session on an earlier tree, for a before/after table), ``kernels.json`` and
-``kernels_before.json`` (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``,
-``aiter_bridge.json``, ``ab.json``, ``launcher_ab.json``, ``graphs.json``, ``latency_ab.json``,
-``conformance.json`` (the GPU test summary), and ``tried.md`` (what was measured and kept or
-dropped, in words), and writes ``RESULTS.md`` next to them. Ratios are against the device's
-reference ceilings (docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16
-matmul); the bench's own in-run probes are shown beside them, since they move with the GPU's
-clocks from run to run.
+session on an earlier tree, for a before/after table), ``kernels.json`` and ``kernels_before.json``
+(CUPTI per kernel), ``prefill.json``, ``dcp_split.json``, ``aiter_bridge.json``, ``ab.json``,
+``launcher_ab.json``, ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json``
+(the GPU test summary), and ``tried.md`` (what was measured and kept or dropped, in words), and
+writes ``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
+(docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16 matmul); the bench's own
+in-run probes are shown beside them, since they move with the GPU's clocks from run to run.
 """
 
 from __future__ import annotations
@@ -164,12 +163,33 @@ def launcher_table(rows) -> str:
 
 
 def graphs_table(rows) -> str:
-    out = ["| shape | program | command buffers | our calls in them / all | note |",
-           "|---|---|---|---|---|"]
+    out = ["| shape | program | XLA flags | command buffers in the HLO | our calls in them / all "
+           "| graph launches / single kernel launches per call (CUDA API) |",
+           "|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['shape']} | {r.get('program', 'call')} | {r['command_buffers']} | "
-                   f"{r['custom_calls_in_command_buffers']} / {r['custom_calls']} | "
-                   f"{r.get('note', '')} |")
+        api = ("-" if "graph_launches" not in r else
+               f"{r['graph_launches']:.1f} / {r['single_launches']:.1f}")
+        out.append(f"| {r['shape']} | {r.get('program', 'call')} | {r.get('xla_flags') or '-'} | "
+                   f"{r['command_buffers']} | {r['custom_calls_in_command_buffers']} / "
+                   f"{r['custom_calls']} | {api} |")
+    return "\n".join(out)
+
+
+def planner_table(rows) -> str:
+    """``planner.json`` (``python -m jax_mla.bench.planner``): a step's metadata, GPU µs
+    (launches, memcpys), with the split plan in XLA ops and in the planning kernel, and the
+    planning kernel alone under each chunk/warp variant."""
+    names = list(rows[0]["variants"]) if rows else []
+    out = ["| shape | programs | jnp plan | planning kernel | "
+           + " | ".join(f"kernel alone: {n}" for n in names) + " |",
+           "|---|---|---|---|" + "---|" * len(names)]
+    for r in rows:
+        j, k = r["jnp"], r["kernel"]
+        cells = [f"{r['variants'][n]['gpu_us']:.1f}" + ("" if r["variants"][n]["exact"]
+                                                         else " (differs!)") for n in names]
+        out.append(f"| {r['shape']} | {r['num_programs']} | {j['gpu_us']:.1f} "
+                   f"({j['launches']:.0f}, {j['memcpys']:.0f}) | {k['gpu_us']:.1f} "
+                   f"({k['launches']:.0f}, {k['memcpys']:.0f}) | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -202,13 +222,17 @@ def report(folder: str) -> str:
     if la:
         parts += ["## Launchers and metadata (same run)", "",
                   "`jax_triton`: jax-triton's custom call with the split plan in XLA ops (the "
-                  "path before the FFI launcher); `ffi_jnp`: our FFI handler, same metadata; "
-                  "`ffi`: our FFI handler and the planning kernel (the defaults); `flashmla`: "
+                  "path before the FFI launcher); `ffi_jnp` (older runs): our FFI handler, same "
+                  "metadata; `ffi`: our FFI handler and the planning kernel (the defaults); "
+                  "`flashmla`: "
                   "FlashMLA on the first variant's buffers (stream time: one CUDA graph).", "",
                   launcher_table(la), ""]
+    pl = _load(folder, "planner.json")
+    if pl:
+        parts += ["## A step's metadata (CUPTI)", "", planner_table(pl), ""]
     gr = _load(folder, "graphs.json")
     if gr:
-        parts += ["## Command buffers in compiled programs", "", graphs_table(gr), ""]
+        parts += ["## Command buffers", "", graphs_table(gr), ""]
     ab = _load(folder, "ab.json")
     if ab:
         parts += ["## Tuning A/B (same run)", "", ab_table(ab), ""]

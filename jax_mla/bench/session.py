@@ -333,14 +333,14 @@ MEMCHECK_RUNS = (
 _memcheck = None
 
 
-def _memcheck_runs(lib):
+def _memcheck_runs(lib, runs=MEMCHECK_RUNS):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(JAX_MLA_FFI_LIBRARY=lib, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), "tests",
                                                         env.get("PYTHONPATH")])),
                # XLA's GEMM autotuning would run dozens of candidates under the sanitizer.
                XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip())
-    for name, args, limit in MEMCHECK_RUNS:
+    for name, args, limit in runs:
         path = os.path.join(OUT, f"memcheck_{name}.txt")
         cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
                "--log-file", path, sys.executable, *args]
@@ -384,6 +384,14 @@ def stage_memcheck(_):
     _memcheck = threading.Thread(target=_memcheck_runs, args=(lib,), daemon=True)
     _memcheck.start()
     log("memcheck started in the background")
+
+
+def stage_memcheck_fuzz(_):
+    """The fuzz suite's valid and invalid problems on the Triton backend under the sanitizer,
+    in the foreground (nothing else runs on the GPU meanwhile)."""
+    _memcheck_runs(_ffi_library(), (
+        ("fuzz_valid", ["tests/fuzz_cases.py", "valid", "triton", "8"], 150),
+        ("fuzz_invalid", ["tests/fuzz_cases.py", "invalid", "triton", "12"], 150)))
 
 
 def stage_memcheck_wait(_):
