@@ -1,5 +1,8 @@
 """Builds jax_mla's FFI launcher (``ffi/``) as the extension ``jax_mla._triton_launch``.
 
+Its sources: ``ffi/triton_launch.cc`` (ahead-of-time Triton kernels) and ``ffi/aiter_asm.cc``
+(AITER's asm MLA decode ``.co`` kernels, loaded from the installed AITER at run time).
+
 It is a plain shared library of XLA typed-FFI handlers (no Python module inside): compiled with
 the system C++ compiler against the XLA FFI headers jaxlib ships (``jax.ffi.include_dir()``), no
 CUDA or ROCm toolkit needed (the driver is opened at run time). Everything else about the
@@ -27,7 +30,7 @@ setup(
     ext_modules=[
         Extension(
             "jax_mla._triton_launch",
-            sources=["ffi/triton_launch.cc"],
+            sources=["ffi/triton_launch.cc", "ffi/aiter_asm.cc"],
             language="c++",
             extra_compile_args=["-std=c++17", "-O2", "-g0", "-fvisibility=hidden"],
             libraries=["dl"],

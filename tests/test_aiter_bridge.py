@@ -159,7 +159,8 @@ def test_decode_route_matches_oracle_and_xla(rng, aiter_on, case):
         assert call["heads"] == heads and not call["use_2d_view"]
         assert call["q_shape"] == ((len(lens), qlen, heads, 512) if qlen > 1
                                    else (len(lens), heads, 512))
-        assert call["min_kv_seq_len"] == min(lens)
+        # AITER reads it only for 64/128 heads: below that its default, with no host sync.
+        assert call["min_kv_seq_len"] == (min(lens) if heads in (64, 128) else 1)
 
 
 def test_single_token_dcp_decode_returns_unpadded_lse(rng, aiter_on):

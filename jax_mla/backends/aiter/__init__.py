@@ -7,6 +7,8 @@
 - ``schedule.py``: the route's arrays and :func:`build_aiter_decode_metadata`.
 - ``segments.py``: the base-2 segment merge of the segmented DCP verify.
 - ``bridge.py``: the only module that imports ``aiter`` (lazily, at trace time).
+- ``native.py``: AITER's asm MLA decode ``.co`` kernels launched by jax_mla's FFI handler
+  (``ffi/aiter_asm.cc``), no torch or Python per call; the bridge is its fallback.
 - ``backend.py``: :class:`AiterBackend`.
 
 Nothing here has run on AMD hardware; see ``docs/rocm.md``.

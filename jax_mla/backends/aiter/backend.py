@@ -2,8 +2,11 @@
 
 The route (asm decode persistent or not, Gluon decode/verify, segmented DCP verify) is the
 plan's (:class:`~.plan.AiterPlan`), decided when the metadata is built; ``decode`` only reads it
-and calls the matching bridge (``bridge.py``, the only module that imports ``aiter``). Nothing
-here imports ``aiter``: the backend is available only on ROCm with ``aiter`` importable.
+and calls the matching bridge (``bridge.py``, the only module that imports ``aiter``). On ROCm
+the asm route runs AITER's ``.co`` kernels through jax_mla's own FFI launcher (``native.py``)
+when the library and the installed AITER's kernels are there, and falls back to the bridge
+(warned once) when not. Nothing here imports ``aiter``: the backend is available only on ROCm
+with ``aiter`` importable.
 
 Head padding is route-dependent (asm pads to the kernel's head count, Gluon and segmented do
 not), so plans keep the real count and the bridge pads and unpads around each kernel call with
@@ -18,7 +21,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_mla import heads as _heads
-from jax_mla.backends.aiter import bridge
+from jax_mla.backends.aiter import bridge, native
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.plan import AiterPlan, make_plan
 from jax_mla.backends.aiter.schedule import VIEWS, build_schedule
@@ -110,8 +113,8 @@ class AiterBackend(Backend):
                 f"{jnp.dtype(kv_cache.dtype)}"
             )
         if route.kind == "asm":
-            out, lse = bridge.asm_decode(q, kv_cache, metadata, route, sched, scale=scale,
-                                         q_scale=q_scale, kv_scale=kv_scale)
+            out, lse = self._asm_decode(q, kv_cache, metadata, plan, sched, scale=scale,
+                                        q_scale=q_scale, kv_scale=kv_scale)
         elif route.kind in ("gluon_decode", "gluon_verify"):
             out, lse = bridge.gluon_decode(q, kv_cache, metadata, route, sched, scale=scale,
                                            kv_scale=kv_scale)
@@ -127,6 +130,21 @@ class AiterBackend(Backend):
         else:
             lse = jnp.where(seen[:, None], lse.astype(jnp.float32), -jnp.inf)
         return out, lse
+
+    @staticmethod
+    def _asm_decode(q, kv_cache, md, plan, sched, **kw):
+        """The asm route: AITER's ``.co`` through jax_mla's FFI launcher (``native.py``) on ROCm
+        when it can serve the arch, else the Python bridge (warned once per process)."""
+        route = plan.route
+        if plan.problem.target.platform == "rocm":
+            reason = native.unavailable_reason(route.arch)
+            if reason is None:
+                try:
+                    return native.asm_decode(q, kv_cache, md, route, sched, **kw)
+                except native.AiterInstallError as e:  # this kernel's .co is not ours to launch
+                    reason = str(e)
+            native.warn_fallback(reason)
+        return bridge.asm_decode(q, kv_cache, md, route, sched, **kw)
 
     @staticmethod
     def _rows_seeing_kv(md, route, sched):

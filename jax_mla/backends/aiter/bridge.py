@@ -219,6 +219,16 @@ def asm_decode(q, kv_cache, md, route, schedule, *, scale: float, q_scale=None,
 # Gluon small-head decode (3-D) and verify (4-D MTP entry)
 
 
+def _gluon_min_kv(num_heads: int, minkv) -> int:
+    """``mla_gluon``'s ``min_kv_seq_len``: AITER reads it only in its 64/128-head regime (an
+    assert on the shortest request), so the other head counts pass its default, 1, and the call
+    never waits for the device. The 64/128-head case reads it from the device (a host sync);
+    the routes never send those head counts to Gluon."""
+    if num_heads in (64, 128):
+        return int(_t(minkv).item())
+    return 1
+
+
 def gluon_decode(q, kv_cache, md, route, schedule, *, scale: float, kv_scale=None):
     """vLLM's Gluon routes: ``n_dec < 16``, bf16 KV, no head padding.
 
@@ -250,7 +260,7 @@ def gluon_decode(q, kv_cache, md, route, schedule, *, scale: float, kv_scale=Non
             res = _get_mla_gluon()(
                 q_nope=q_nope, q_pe=q_pe, kv_c=kv.reshape(-1, d), o=o_arg, page_table=_t(kvi),
                 seq_info=_t(kvp), sm_scale=scale, k_pe=None, kv_pe_offset=lr, use_2d_view=False,
-                kv_scale=1.0, min_kv_seq_len=int(_t(minkv).item()), **extra)
+                kv_scale=1.0, min_kv_seq_len=_gluon_min_kv(n, minkv), **extra)
             o_ret, lse = res if isinstance(res, tuple) else (res, None)
             if o_ret is not None and o_ret.data_ptr() != o_x.data_ptr():
                 o_x.copy_(o_ret.reshape(o_x.shape))

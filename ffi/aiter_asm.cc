@@ -1,0 +1,594 @@
+// XLA FFI handlers that launch AITER's hand-written assembly MLA decode kernels (stage 1 of
+// `mla_decode_fwd`, persistent and split-KV) from the `.co` code objects of an installed AITER,
+// with jax_mla's own copy of the kernels' argument block. No torch, no AITER C++, no Python per
+// call.
+//
+// The argument block (`MlaAsmKernelArgs`) was read from ROCm/aiter at commit
+//   e4048607a535ace3a2b51ded31b1c8c2d45c0879 (2026-08-22), csrc/py_itfs_cu/asm_mla.cu,
+//   `struct __attribute__((packed)) KernelArgs` (the gfx942/gfx950 layout; p2/p3 from
+//   csrc/include/aiter_hip_common.h),
+// and is written here from that description: every field sits in its own 16-byte slot (a
+// pointer + 2 x u32 padding, or a 32-bit scalar + 3 x u32 padding), 368 bytes in all. The
+// static_asserts below pin sizeof and every offset; jax_mla/backends/aiter/native.py carries the
+// same table (and checks it against JaxMlaAiterAsmLayout) and refuses an AITER install whose
+// kernel table does not look like the one at that commit.
+//
+// Stages. initialize: load the `.co` named by the `co_path` attribute with hipModuleLoad and
+// look up `kernel_name` with hipModuleGetFunction, once per (device ordinal, path, kernel), so
+// no module is loaded while XLA captures a command buffer. execute: validate the buffers
+// (shapes and dtypes only: nothing is read from the device), fill the argument block, in
+// persistent mode write the two work-metadata pointers into the `work_meta` result with four
+// hipMemsetD32Async on XLA's stream (the kernel reads work_indptr / work_info through them; the
+// addresses are the operands' own, so a copied plan never leaves stale pointers), then one
+// hipModuleLaunchKernel with HIP_LAUNCH_PARAM_BUFFER_POINTER/SIZE. No allocation, no blocking
+// call, no host sync: command-buffer compatible.
+//
+// libamdhip64 is opened with dlopen at first use, so this file builds with a plain C++ compiler
+// and no ROCm headers. `jax_mla_aiter_asm_pack` (CPU) is a twin that decodes the same operands
+// and attributes and writes the argument block it would launch with (and the grid) into an extra
+// result, for tests on hosts without an AMD GPU.
+
+#include <dlfcn.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_mla {
+namespace aiter_asm {
+namespace {
+
+// ---- the argument block (ROCm/aiter e4048607, csrc/py_itfs_cu/asm_mla.cu, KernelArgs) --------
+
+struct Pad2 {  // AITER's p2: pads a pointer to 16 bytes
+  uint32_t pad0, pad1;
+};
+struct Pad3 {  // AITER's p3: pads a 32-bit scalar to 16 bytes
+  uint32_t pad0, pad1, pad2;
+};
+
+struct __attribute__((packed)) MlaAsmKernelArgs {
+  void* ptr_R;               // split output (fp32; bf16 when out_16_nosplit, split-KV mode)
+  Pad2 pad_r;
+  void* ptr_LSE;             // split LSE, fp32
+  Pad2 pad_lse;
+  void* ptr_Q;               // q [tokens, heads, 576]
+  Pad2 pad_q;
+  void* ptr_KV;              // kv [pages, page_size, 1, 576]
+  Pad2 pad_kv;
+  void* ptr_LTP;             // kv_indptr int32 [batch + 1]
+  Pad2 pad_ltp;
+  void* ptr_LTD;             // kv_page_indices int32
+  Pad2 pad_ltd;
+  void* ptr_LTL;             // kv_last_page_lens int32 [batch]
+  Pad2 pad_ltl;
+  float scalar;              // softmax scale
+  Pad3 pad_scalar;
+  uint32_t s_MQA;            // query rows per request and kv head (gqa * qlen, or gqa)
+  Pad3 pad_mqa;
+  uint32_t s_kv_split;       // split_o.shape[1]
+  Pad3 pad_kv_split;
+  uint32_t s_Q_Bs;           // bytes between requests in q: q.stride(0) * elem * qlen
+  Pad3 pad_q_bs;
+  uint32_t s_Bs;             // bytes per KV page: kv.stride(0) * elem
+  Pad3 pad_bs;
+  uint32_t s_log2_plen;      // log2(page_size)
+  Pad3 pad_log2_plen;
+  void* ptr_QTP;             // qo_indptr int32 [batch + 1]
+  Pad2 pad_qtp;
+  void* ptr_STP;             // split-KV: num_kv_splits_indptr; persistent: work metadata (2 x u64)
+  Pad2 pad_stp;
+  void* ptr_RP;              // persistent: the final output; split-KV: null
+  Pad2 pad_rp;
+  void* ptr_QSCALE;          // fp8 q: q_scale float32 [1]
+  Pad2 pad_qscale;
+  void* ptr_KVSCALE;         // fp8 q or kv: kv_scale float32 [1]
+  Pad2 pad_kvscale;
+  uint32_t out_16_nosplit;   // persistent: s_kv_split; split-KV: s_kv_split == 1
+  Pad3 pad_out16;
+  void* ptr_LSEP;            // final LSE float32 [tokens, heads] or null
+  Pad2 pad_lsep;
+  void* ptr_GKVTP;           // global kv_indptr (round-robin context parallel) or null
+  Pad2 pad_gkvtp;
+  uint32_t s_cp_world_size;  // >= 1
+  Pad3 pad_cp_world_size;
+  uint32_t s_cp_rank;
+  Pad3 pad_cp_rank;
+};
+
+// The layout at ROCm/aiter e4048607 (and the `.args` offsets in its gfx950 code objects).
+static_assert(sizeof(void*) == 8, "AITER's kernel arguments are laid out for 64-bit pointers");
+static_assert(sizeof(Pad2) == 8 && sizeof(Pad3) == 12, "padding slots");
+static_assert(sizeof(MlaAsmKernelArgs) == 0x170, "AITER e4048607 KernelArgs is 368 bytes");
+#define JAX_MLA_AITER_FIELDS(X)                                                          \
+  X(ptr_R, 0x00) X(ptr_LSE, 0x10) X(ptr_Q, 0x20) X(ptr_KV, 0x30) X(ptr_LTP, 0x40)        \
+  X(ptr_LTD, 0x50) X(ptr_LTL, 0x60) X(scalar, 0x70) X(s_MQA, 0x80) X(s_kv_split, 0x90)   \
+  X(s_Q_Bs, 0xA0) X(s_Bs, 0xB0) X(s_log2_plen, 0xC0) X(ptr_QTP, 0xD0) X(ptr_STP, 0xE0)   \
+  X(ptr_RP, 0xF0) X(ptr_QSCALE, 0x100) X(ptr_KVSCALE, 0x110) X(out_16_nosplit, 0x120)    \
+  X(ptr_LSEP, 0x130) X(ptr_GKVTP, 0x140) X(s_cp_world_size, 0x150) X(s_cp_rank, 0x160)
+#define JAX_MLA_AITER_ASSERT_OFFSET(field, offset)                             \
+  static_assert(offsetof(MlaAsmKernelArgs, field) == (offset),                 \
+                "MlaAsmKernelArgs::" #field " is not where AITER e4048607 has it");
+JAX_MLA_AITER_FIELDS(JAX_MLA_AITER_ASSERT_OFFSET)
+#undef JAX_MLA_AITER_ASSERT_OFFSET
+
+constexpr int kBlockThreads = 256;  // 4 wave64, as AITER launches every MLA decode kernel
+
+// ---- the HIP runtime, opened at run time ----------------------------------------------------
+
+using HipResult = int;  // hipError_t; 0 is hipSuccess
+
+struct Hip {
+  HipResult (*module_load)(void** module, const char* path) = nullptr;
+  HipResult (*module_get_function)(void** function, void* module, const char* name) = nullptr;
+  HipResult (*launch_kernel)(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                             unsigned by, unsigned bz, unsigned shared, void* stream,
+                             void** params, void** extra) = nullptr;
+  HipResult (*memset_d32_async)(void* dst, int value, size_t count, void* stream) = nullptr;
+  HipResult (*get_device)(int* ordinal) = nullptr;
+  HipResult (*set_device)(int ordinal) = nullptr;
+  const char* (*error_string)(HipResult) = nullptr;  // optional
+  std::string error;  // why the runtime cannot be used ("" when it can)
+
+  std::string Describe(HipResult r) const {
+    std::string s = "HIP error " + std::to_string(r);
+    if (error_string != nullptr) {
+      if (const char* text = error_string(r)) s += " " + std::string(text);
+    }
+    return s;
+  }
+};
+
+template <typename T>
+void Load(void* lib, const char* name, T* fn, std::string* missing) {
+  *fn = reinterpret_cast<T>(dlsym(lib, name));
+  if (*fn == nullptr && missing != nullptr) *missing += std::string(" ") + name;
+}
+
+const Hip& GetHip() {
+  static Hip hip;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* lib = nullptr;
+    for (const char* name : {"libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"}) {
+      if ((lib = dlopen(name, RTLD_NOW | RTLD_GLOBAL)) != nullptr) break;
+    }
+    if (lib == nullptr) {
+      hip.error = "jax_mla could not open the ROCm runtime (libamdhip64.so) to launch AITER's "
+                  "asm MLA decode: install ROCm, or put its lib directory on LD_LIBRARY_PATH";
+      return;
+    }
+    std::string missing;
+    Load(lib, "hipModuleLoad", &hip.module_load, &missing);
+    Load(lib, "hipModuleGetFunction", &hip.module_get_function, &missing);
+    Load(lib, "hipModuleLaunchKernel", &hip.launch_kernel, &missing);
+    Load(lib, "hipMemsetD32Async", &hip.memset_d32_async, &missing);
+    Load(lib, "hipGetDevice", &hip.get_device, &missing);
+    Load(lib, "hipSetDevice", &hip.set_device, &missing);
+    Load(lib, "hipGetErrorString", &hip.error_string, nullptr);
+    if (!missing.empty()) hip.error = "jax_mla: the ROCm runtime (libamdhip64.so) lacks" + missing;
+  });
+  return hip;
+}
+
+// The device `ordinal` current for the life of the object (the initialize stage may run on a
+// thread where another device is current).
+class ScopedDevice {
+ public:
+  ScopedDevice(const Hip& hip, int32_t ordinal) : hip_(hip) {
+    if (hip.get_device(&saved_) == 0 && saved_ != ordinal) {
+      restore_ = hip.set_device(ordinal) == 0;
+    }
+  }
+  ~ScopedDevice() {
+    if (restore_) hip_.set_device(saved_);
+  }
+
+ private:
+  const Hip& hip_;
+  int saved_ = 0;
+  bool restore_ = false;
+};
+
+std::mutex cache_mutex;
+std::map<std::tuple<int32_t, std::string, std::string>, void*> function_cache;
+
+ffi::ErrorOr<void*> GetFunction(int32_t device, std::string_view co_path,
+                                std::string_view kernel_name) {
+  const Hip& hip = GetHip();
+  if (!hip.error.empty()) return ffi::Unexpected(ffi::Error::Internal(hip.error));
+  std::string path(co_path), name(kernel_name);
+  auto key = std::make_tuple(device, path, name);
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  if (auto it = function_cache.find(key); it != function_cache.end()) return it->second;
+  if (FILE* f = std::fopen(path.c_str(), "rb")) {
+    std::fclose(f);
+  } else {
+    return ffi::Unexpected(ffi::Error::Internal(
+        "jax_mla: AITER's asm MLA kernel file " + path + " (for " + name + ") cannot be read: "
+        "the AITER install is incomplete or AITER_ASM_DIR points elsewhere"));
+  }
+  ScopedDevice scoped(hip, device);
+  void* module = nullptr;
+  if (HipResult r = hip.module_load(&module, path.c_str()); r != 0) {
+    return ffi::Unexpected(ffi::Error::Internal(
+        "jax_mla: hipModuleLoad(" + path + ") failed on device " + std::to_string(device) +
+        " (" + hip.Describe(r) + "): the code object must be for this device's architecture"));
+  }
+  void* function = nullptr;
+  if (HipResult r = hip.module_get_function(&function, module, name.c_str()); r != 0) {
+    return ffi::Unexpected(ffi::Error::Internal(
+        "jax_mla: kernel " + name + " is not in " + path + " (" + hip.Describe(r) +
+        "): the AITER install's mla_asm.csv and its .co files disagree"));
+  }
+  function_cache.emplace(std::move(key), function);
+  return function;
+}
+
+// ---- operands -> argument block ---------------------------------------------------------------
+
+struct Attrs {
+  std::string_view co_path;
+  std::string_view kernel_name;
+  float softmax_scale;
+  int32_t max_seqlen_q;
+  int32_t page_size;
+  int32_t s_mqa;
+  int32_t sub_q;
+  int32_t persistent;
+  int32_t cp_world_size;
+  int32_t cp_rank;
+};
+
+struct Packed {
+  MlaAsmKernelArgs args;
+  uint32_t grid[3];
+  void* work_meta;                 // persistent: where the two pointers go
+  uint64_t work_meta_values[2];    // ... and what they are
+};
+
+bool IsFp8(ffi::DataType t) {
+  return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E4M3FNUZ;
+}
+
+void* Ptr(const ffi::AnyBuffer& b) {
+  return b.element_count() == 0 ? nullptr : b.untyped_data();
+}
+
+std::string Dims(const ffi::AnyBuffer& b) {
+  std::string s = "[";
+  auto dims = b.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_mla_aiter_asm_mla: " + what);
+}
+
+ffi::ErrorOr<Packed> Pack(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer qo_indptr,
+                          ffi::AnyBuffer kv_indptr, ffi::AnyBuffer kv_page_indices,
+                          ffi::AnyBuffer kv_last_page_lens, ffi::AnyBuffer split_indptr,
+                          ffi::AnyBuffer work_indptr, ffi::AnyBuffer work_info,
+                          ffi::AnyBuffer q_scale, ffi::AnyBuffer kv_scale,
+                          ffi::AnyBuffer g_kv_indptr, ffi::AnyBuffer split_o,
+                          ffi::AnyBuffer split_lse, ffi::AnyBuffer out, ffi::AnyBuffer final_lse,
+                          ffi::AnyBuffer work_meta, const Attrs& a) {
+  auto fail = [](const std::string& what) { return ffi::Unexpected(Invalid(what)); };
+  if (q.dimensions().size() != 3) return fail("q must be [tokens, heads, head_dim], got " + Dims(q));
+  if (q.element_type() != ffi::DataType::BF16 && !IsFp8(q.element_type())) {
+    return fail("q must be bfloat16 or float8_e4m3 (fn/fnuz)");
+  }
+  if (kv.dimensions().size() < 2) return fail("kv must be [pages, ..., head_dim], got " + Dims(kv));
+  if (kv.element_type() != ffi::DataType::BF16 && !IsFp8(kv.element_type())) {
+    return fail("kv must be bfloat16 or float8_e4m3 (fn/fnuz)");
+  }
+  const int64_t head_dim = q.dimensions()[2];
+  if (kv.dimensions().back() != head_dim) {
+    return fail("q " + Dims(q) + " and kv " + Dims(kv) + " differ in head_dim");
+  }
+  for (auto [buf, name] : {std::pair{&qo_indptr, "qo_indptr"}, {&kv_indptr, "kv_indptr"},
+                           {&kv_page_indices, "kv_page_indices"},
+                           {&kv_last_page_lens, "kv_last_page_lens"},
+                           {&split_indptr, "split_indptr"}, {&work_indptr, "work_indptr"},
+                           {&work_info, "work_info"}, {&g_kv_indptr, "g_kv_indptr"}}) {
+    if (buf->element_count() != 0 && buf->element_type() != ffi::DataType::S32) {
+      return fail(std::string(name) + " must be int32");
+    }
+  }
+  if (qo_indptr.element_count() < 1) return fail("qo_indptr must have batch + 1 entries");
+  if (split_o.dimensions().size() != 4) {
+    return fail("split_o must be [rows, kv_splits, heads, v_head_dim], got " + Dims(split_o));
+  }
+  if (split_lse.element_type() != ffi::DataType::F32 || split_lse.element_count() == 0) {
+    return fail("split_lse must be a non-empty float32 array");
+  }
+  if (a.max_seqlen_q < 1 || a.sub_q < 1 || a.s_mqa < 1) {
+    return fail("max_seqlen_q, sub_q and s_mqa must be >= 1");
+  }
+  if (a.page_size < 1 || (a.page_size & (a.page_size - 1)) != 0) {
+    return fail("page_size " + std::to_string(a.page_size) + " is not a power of two");
+  }
+  const bool q8 = IsFp8(q.element_type()), kv8 = IsFp8(kv.element_type());
+  for (auto [buf, name] : {std::pair{&q_scale, "q_scale"}, {&kv_scale, "kv_scale"}}) {
+    if (buf->element_count() != 0 && buf->element_type() != ffi::DataType::F32) {
+      return fail(std::string(name) + " must be float32[1]");
+    }
+  }
+  if (q8 && (q_scale.element_count() == 0 || kv_scale.element_count() == 0)) {
+    return fail("an fp8 q needs q_scale and kv_scale");
+  }
+  if (final_lse.element_count() != 0 && final_lse.element_type() != ffi::DataType::F32) {
+    return fail("final_lse must be float32");
+  }
+
+  const int64_t batch = static_cast<int64_t>(qo_indptr.element_count()) - 1;
+  const int64_t heads = q.dimensions()[1];
+  const int64_t kv_split = split_o.dimensions()[1];
+  const size_t q_elem = ffi::ByteWidth(q.element_type());
+  const size_t kv_elem = ffi::ByteWidth(kv.element_type());
+  int64_t page_elems = 1;
+  for (size_t i = 1; i < kv.dimensions().size(); ++i) page_elems *= kv.dimensions()[i];
+  const int64_t q_bs = heads * head_dim * static_cast<int64_t>(q_elem) * a.max_seqlen_q;
+  const int64_t page_bytes = page_elems * static_cast<int64_t>(kv_elem);
+  if (q_bs > INT32_MAX || page_bytes > INT32_MAX) {
+    return fail("a request's q rows or a KV page exceed the kernels' 32-bit byte strides");
+  }
+  if (kv_split < 1) return fail("split_o must have at least one KV split");
+
+  Packed p{};
+  MlaAsmKernelArgs& args = p.args;
+  args.ptr_R = Ptr(split_o);
+  args.ptr_LSE = Ptr(split_lse);
+  args.ptr_Q = Ptr(q);
+  args.ptr_KV = Ptr(kv);
+  args.ptr_LTP = Ptr(kv_indptr);
+  args.ptr_LTD = Ptr(kv_page_indices);
+  args.ptr_LTL = Ptr(kv_last_page_lens);
+  args.ptr_QTP = Ptr(qo_indptr);
+  args.scalar = a.softmax_scale;
+  args.s_MQA = static_cast<uint32_t>(a.s_mqa);
+  args.s_kv_split = static_cast<uint32_t>(kv_split);
+  args.s_Q_Bs = static_cast<uint32_t>(q_bs);
+  args.s_Bs = static_cast<uint32_t>(page_bytes);
+  args.s_log2_plen = static_cast<uint32_t>(std::log2(static_cast<double>(a.page_size)) + 0.5);
+  args.ptr_LSEP = Ptr(final_lse);
+  args.ptr_GKVTP = Ptr(g_kv_indptr);
+  if (args.ptr_GKVTP != nullptr &&
+      (a.cp_world_size < 1 || a.cp_rank < 0 || a.cp_rank >= a.cp_world_size)) {
+    return fail("with g_kv_indptr, cp_rank must be in [0, cp_world_size)");
+  }
+  args.s_cp_world_size = a.cp_world_size > 0 ? static_cast<uint32_t>(a.cp_world_size) : 1u;
+  args.s_cp_rank = a.cp_rank >= 0 ? static_cast<uint32_t>(a.cp_rank) : 0u;
+  if (q8) {
+    args.ptr_QSCALE = Ptr(q_scale);
+    args.ptr_KVSCALE = Ptr(kv_scale);
+  } else if (kv8) {
+    args.ptr_KVSCALE = Ptr(kv_scale);
+  }
+  if (a.persistent) {
+    if (work_indptr.element_count() < 1 || work_info.element_count() == 0) {
+      return fail("persistent mode needs work_indptr and work_info");
+    }
+    if (work_meta.size_bytes() < 2 * sizeof(uint64_t)) {
+      return fail("persistent mode needs a 16-byte work_meta result (2 x uint64 pointers)");
+    }
+    if (out.element_count() == 0) return fail("persistent mode needs the output buffer");
+    args.out_16_nosplit = static_cast<uint32_t>(kv_split);
+    args.ptr_RP = Ptr(out);
+    args.ptr_STP = work_meta.untyped_data();
+    p.work_meta = work_meta.untyped_data();
+    p.work_meta_values[0] = reinterpret_cast<uint64_t>(work_indptr.untyped_data());
+    p.work_meta_values[1] = reinterpret_cast<uint64_t>(work_info.untyped_data());
+    p.grid[0] = static_cast<uint32_t>(work_indptr.element_count() - 1);
+    p.grid[1] = p.grid[2] = 1;
+  } else {
+    if (split_indptr.element_count() != static_cast<size_t>(batch + 1)) {
+      return fail("split-KV mode needs split_indptr with batch + 1 entries");
+    }
+    // With one split AITER sets out_16_nosplit and most kernels then write R as 16-bit final
+    // rows (the caller sizes split_o in bfloat16); with more, R is float32.
+    const bool one_split = kv_split == 1;
+    const ffi::DataType r_type = split_o.element_type();
+    if (r_type != ffi::DataType::F32 && !(one_split && r_type == ffi::DataType::BF16)) {
+      return fail(one_split ? "split_o must be float32 or bfloat16" : "split_o must be float32");
+    }
+    args.out_16_nosplit = one_split ? 1u : 0u;
+    args.ptr_RP = nullptr;
+    args.ptr_STP = Ptr(split_indptr);
+    p.grid[0] = static_cast<uint32_t>((a.max_seqlen_q * heads + a.sub_q - 1) / a.sub_q);
+    p.grid[1] = static_cast<uint32_t>(batch);
+    p.grid[2] = static_cast<uint32_t>(kv_split);
+  }
+  if (a.persistent && split_o.element_type() != ffi::DataType::F32) {
+    return fail("split_o must be float32");
+  }
+  return p;
+}
+
+// ---- handlers -------------------------------------------------------------------------------
+
+#define JAX_MLA_AITER_BUFFER_PARAMS                                                            \
+  ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer qo_indptr, ffi::AnyBuffer kv_indptr,    \
+      ffi::AnyBuffer kv_page_indices, ffi::AnyBuffer kv_last_page_lens,                        \
+      ffi::AnyBuffer split_indptr, ffi::AnyBuffer work_indptr, ffi::AnyBuffer work_info,       \
+      ffi::AnyBuffer q_scale, ffi::AnyBuffer kv_scale, ffi::AnyBuffer g_kv_indptr,             \
+      ffi::Result<ffi::AnyBuffer> split_o, ffi::Result<ffi::AnyBuffer> split_lse,              \
+      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> final_lse,                  \
+      ffi::Result<ffi::AnyBuffer> work_meta
+#define JAX_MLA_AITER_BUFFER_ARGS                                                             \
+  q, kv, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_lens, split_indptr, work_indptr, \
+      work_info, q_scale, kv_scale, g_kv_indptr, *split_o, *split_lse, *out, *final_lse,      \
+      *work_meta
+#define JAX_MLA_AITER_ATTR_PARAMS                                                        \
+  std::string_view co_path, std::string_view kernel_name, float softmax_scale,           \
+      int32_t max_seqlen_q, int32_t page_size, int32_t s_mqa, int32_t sub_q,             \
+      int32_t persistent, int32_t cp_world_size, int32_t cp_rank
+#define JAX_MLA_AITER_ATTRS                                                                  \
+  Attrs {                                                                                    \
+    co_path, kernel_name, softmax_scale, max_seqlen_q, page_size, s_mqa, sub_q, persistent, \
+        cp_world_size, cp_rank                                                               \
+  }
+
+template <typename Binding>
+auto BindBuffers(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // kv
+      .template Arg<ffi::AnyBuffer>()  // qo_indptr
+      .template Arg<ffi::AnyBuffer>()  // kv_indptr
+      .template Arg<ffi::AnyBuffer>()  // kv_page_indices
+      .template Arg<ffi::AnyBuffer>()  // kv_last_page_lens
+      .template Arg<ffi::AnyBuffer>()  // split_indptr (split-KV) or empty
+      .template Arg<ffi::AnyBuffer>()  // work_indptr (persistent) or empty
+      .template Arg<ffi::AnyBuffer>()  // work_info (persistent) or empty
+      .template Arg<ffi::AnyBuffer>()  // q_scale or empty
+      .template Arg<ffi::AnyBuffer>()  // kv_scale or empty
+      .template Arg<ffi::AnyBuffer>()  // g_kv_indptr or empty
+      .template Ret<ffi::AnyBuffer>()  // split_o
+      .template Ret<ffi::AnyBuffer>()  // split_lse
+      .template Ret<ffi::AnyBuffer>()  // out (persistent) or empty
+      .template Ret<ffi::AnyBuffer>()  // final_lse or empty
+      .template Ret<ffi::AnyBuffer>();  // work_meta (persistent: 16 bytes) or empty
+}
+
+template <typename Binding>
+auto BindAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<std::string_view>("co_path")
+      .template Attr<std::string_view>("kernel_name")
+      .template Attr<float>("softmax_scale")
+      .template Attr<int32_t>("max_seqlen_q")
+      .template Attr<int32_t>("page_size")
+      .template Attr<int32_t>("s_mqa")
+      .template Attr<int32_t>("sub_q")
+      .template Attr<int32_t>("persistent")
+      .template Attr<int32_t>("cp_world_size")
+      .template Attr<int32_t>("cp_rank");
+}
+
+template <typename Binding>
+auto BindGpu(Binding binding) {
+  return BindAttrs(BindBuffers(std::move(binding)
+                                   .template Ctx<ffi::PlatformStream<void*>>()
+                                   .template Ctx<ffi::DeviceOrdinal>()));
+}
+
+ffi::Error InitializeStage(void*, int32_t device, JAX_MLA_AITER_BUFFER_PARAMS,
+                           JAX_MLA_AITER_ATTR_PARAMS) {
+  auto function = GetFunction(device, co_path, kernel_name);
+  return function.has_error() ? function.error() : ffi::Error::Success();
+}
+
+ffi::Error ExecuteStage(void* stream, int32_t device, JAX_MLA_AITER_BUFFER_PARAMS,
+                        JAX_MLA_AITER_ATTR_PARAMS) {
+  auto packed = Pack(JAX_MLA_AITER_BUFFER_ARGS, JAX_MLA_AITER_ATTRS);
+  if (packed.has_error()) return packed.error();
+  auto function = GetFunction(device, co_path, kernel_name);  // cached at initialize
+  if (function.has_error()) return function.error();
+  const Hip& hip = GetHip();
+  Packed& p = *packed;
+  if (p.work_meta != nullptr) {
+    // Two uint64 pointers as four 32-bit words, stream-ordered (capturable, no host sync).
+    for (int i = 0; i < 4; ++i) {
+      uint32_t word = static_cast<uint32_t>(p.work_meta_values[i / 2] >> (32 * (i % 2)));
+      int value;
+      std::memcpy(&value, &word, sizeof(value));
+      if (HipResult r = hip.memset_d32_async(static_cast<uint32_t*>(p.work_meta) + i, value, 1,
+                                             stream);
+          r != 0) {
+        return ffi::Error::Internal("jax_mla: writing the work metadata for " +
+                                    std::string(kernel_name) + " failed (" + hip.Describe(r) +
+                                    ")");
+      }
+    }
+  }
+  if (p.grid[0] == 0 || p.grid[1] == 0 || p.grid[2] == 0) return ffi::Error::Success();
+  size_t arg_size = sizeof(MlaAsmKernelArgs);
+  // HIP_LAUNCH_PARAM_BUFFER_POINTER, HIP_LAUNCH_PARAM_BUFFER_SIZE, HIP_LAUNCH_PARAM_END.
+  void* config[] = {reinterpret_cast<void*>(0x01), &p.args, reinterpret_cast<void*>(0x02),
+                    &arg_size, reinterpret_cast<void*>(0x03)};
+  if (HipResult r = hip.launch_kernel(*function, p.grid[0], p.grid[1], p.grid[2], kBlockThreads,
+                                      1, 1, 0, stream, nullptr, config);
+      r != 0) {
+    return ffi::Error::Internal("jax_mla: launching AITER's " + std::string(kernel_name) +
+                                " from " + std::string(co_path) + " failed (" +
+                                hip.Describe(r) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+// The CPU twin: the same decoding and packing, then the argument block's bytes followed by
+// the grid and block (six uint32) into the last result (uint8[kPackBytes]); in persistent mode
+// the two work-metadata pointers are written into `work_meta` directly (host memory here).
+constexpr size_t kPackBytes = sizeof(MlaAsmKernelArgs) + 6 * sizeof(uint32_t);
+
+ffi::Error PackStage(JAX_MLA_AITER_BUFFER_PARAMS, ffi::Result<ffi::AnyBuffer> packed_bytes,
+                     JAX_MLA_AITER_ATTR_PARAMS) {
+  auto packed = Pack(JAX_MLA_AITER_BUFFER_ARGS, JAX_MLA_AITER_ATTRS);
+  if (packed.has_error()) return packed.error();
+  if (packed_bytes->size_bytes() != kPackBytes) {
+    return Invalid("the packing result must be uint8[" + std::to_string(kPackBytes) + "]");
+  }
+  const Packed& p = *packed;
+  if (p.work_meta != nullptr) std::memcpy(p.work_meta, p.work_meta_values, 16);
+  auto* dst = static_cast<uint8_t*>(packed_bytes->untyped_data());
+  std::memcpy(dst, &p.args, sizeof(p.args));
+  const uint32_t launch[6] = {p.grid[0], p.grid[1], p.grid[2], kBlockThreads, 1, 1};
+  std::memcpy(dst + sizeof(p.args), launch, sizeof(launch));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace aiter_asm
+}  // namespace jax_mla
+
+#define JAX_MLA_EXPORT_HANDLER(name) \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* name(XLA_FFI_CallFrame*);
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterAsmInitializeRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterAsmExecuteRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterAsmPackCpu)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaAiterAsmInitializeRocm, jax_mla::aiter_asm::InitializeStage,
+                              jax_mla::aiter_asm::BindGpu(ffi::Ffi::BindInitialize()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaAiterAsmExecuteRocm, jax_mla::aiter_asm::ExecuteStage,
+                              jax_mla::aiter_asm::BindGpu(ffi::Ffi::Bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaAiterAsmPackCpu, jax_mla::aiter_asm::PackStage,
+    jax_mla::aiter_asm::BindAttrs(
+        jax_mla::aiter_asm::BindBuffers(ffi::Ffi::Bind()).Ret<ffi::AnyBuffer>()));
+
+// The argument block's layout as "name:offset;..." (offsets in bytes) plus "size:N", copied
+// into `buffer`; returns the full length. native.py checks its own table against this.
+extern "C" __attribute__((visibility("default"))) int JaxMlaAiterAsmLayout(char* buffer,
+                                                                           int size) {
+  std::string s;
+#define JAX_MLA_AITER_DESCRIBE(field, offset) \
+  s += #field ":" + std::to_string(offsetof(jax_mla::aiter_asm::MlaAsmKernelArgs, field)) + ";";
+  JAX_MLA_AITER_FIELDS(JAX_MLA_AITER_DESCRIBE)
+#undef JAX_MLA_AITER_DESCRIBE
+  s += "size:" + std::to_string(sizeof(jax_mla::aiter_asm::MlaAsmKernelArgs));
+  if (size > 0) std::snprintf(buffer, static_cast<size_t>(size), "%s", s.c_str());
+  return static_cast<int>(s.size());
+}
+
+// Why the ROCm runtime cannot be used for AITER's asm kernels ("" when it can).
+extern "C" __attribute__((visibility("default"))) int JaxMlaAiterAsmDriverError(char* buffer,
+                                                                                int size) {
+  const std::string& error = jax_mla::aiter_asm::GetHip().error;
+  if (size > 0) std::snprintf(buffer, static_cast<size_t>(size), "%s", error.c_str());
+  return static_cast<int>(error.size());
+}

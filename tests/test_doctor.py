@@ -1,0 +1,53 @@
+"""``python -m jax_mla doctor``: one command that checks a host end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import jax_mla
+from jax_mla import doctor
+
+from aiter_standin.harness import standin
+
+
+def test_the_doctor_passes_on_this_host_and_checks_every_backend():
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-m", "jax_mla", "doctor", "--quick", "--json"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(r.stdout)
+    checks = {row["check"]: row for row in rows}
+    assert {"jax", "target", "triton", "torch", "FFI launcher"} <= set(checks), rows
+    for backend in jax_mla.available_backends():
+        row = checks[f"decode {backend}"]
+        assert row["status"] == "ok" and row["rel_err"] < 1e-5, row
+        assert row["us_per_call"] > 0, row
+    assert all(row["status"] in ("ok", "warn") for row in rows), rows
+
+
+def test_a_wrong_answer_fails_the_doctor(monkeypatch, capsys):
+    import jax_mla.testing
+
+    real = jax_mla.testing.numpy_mla_decode
+
+    def off_by_one_percent(*a, **k):
+        out, lse = real(*a, **k)
+        return out * 1.01, lse
+
+    monkeypatch.setattr(jax_mla.testing, "numpy_mla_decode", off_by_one_percent)
+    monkeypatch.setattr(doctor, "_launcher_checks", lambda target: [])
+    rc = doctor.main(doctor.argparse.Namespace(json=False, quick=True))
+    text = capsys.readouterr().out
+    assert rc == 1, text
+    assert "FAIL  decode xla" in text and "rel err 9.9e-03" in text, text
+
+
+def test_the_doctor_checks_an_installed_aiter_against_the_manifest():
+    with standin():
+        rows = doctor._aiter_checks("rocm")
+    assert rows[0]["check"] == "aiter API" and rows[0]["status"] == "ok", rows
+    assert "matches the manifest pinned at ROCm/aiter e4048607" in rows[0]["detail"], rows
+    assert np.all([r["status"] != "FAIL" for r in rows])
