@@ -413,7 +413,7 @@ res["reduce"] = dict(params=len(kb.params), hidden=kb.hidden_params,
 
 # Too much shared memory for the target: a clear error at trace time.
 try:
-    tun = TritonTuning(launcher="ffi", planner="jnp", num_stages=3)
+    tun = TritonTuning(launcher="ffi", planner="jnp", block_n=64, num_stages=3)
     md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=16, q=q[:, :16],
                                        kv_cache=cache, backend="triton",
                                        target=Target("rocm", "gfx942", 304), tuning=tun)

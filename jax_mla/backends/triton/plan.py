@@ -15,6 +15,9 @@ Rules (measured figures behind them: ``benchmarks/results/h200/RESULTS.md``):
   warpgroups (``compile.split_broadcast_wgmma``).
 - 17..32 rows fit neither MMA shape: on Hopper one 64-row wgmma tile, half of it padding;
   elsewhere two 16-row head blocks that share each KV tile through L2.
+- AMD Instinct has tiles of its own per architecture (:data:`ROCM_TILES`): at most 32 rows
+  (16 for float32 caches), 4 warps, 16-token KV tiles, fitting gfx942's 64 KiB of LDS with no
+  spills (float32 excepted on gfx942).
 - The grid is persistent: exactly the programs the GPU holds at once (``ctas_per_sm`` per SM).
 - The reduce reads a request's partials in chunks of about what the even-pieces plan cuts a
   fixed-length request into (at most 8), over a ``[chunk, 16, columns]`` tile of 8 x 16 x 16
@@ -39,17 +42,34 @@ from jax_mla.problem import DecodeProblem, Target, as_target
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64
 PLANNERS = ("auto", "kernel", "jnp")
-# Tiles by MMA rows, and how many programs of that tile one multiprocessor holds at once
-# (registers and shared memory from ptxas for sm_90a).
+# CUDA tiles by MMA rows, and how many programs of that tile one multiprocessor holds at once
+# (registers and shared memory from ptxas for sm_90a; tuned on the H200).
 GPU_TILES = {
     16: {"block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
     64: {"block_n": 64, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},
 }
-# AMD Instinct: Triton's AMD pipeliner is tuned for two stages, and gfx942 has 64 KiB of LDS a
-# workgroup (gfx950: 160 KiB). Compiled for gfx942 (triton 3.9), the 16-row tile takes 72 KiB
-# at three stages and 36 KiB at two; the 64-row tile 80 KiB at two stages and 64 KiB at one.
-ROCM_MAX_STAGES = {16: 2, 64: 2}
-GFX942_MAX_STAGES = {16: 2, 64: 1}
+# AMD Instinct, by architecture: tiles by MMA rows that fit the CU's LDS (64 KiB on gfx90a /
+# gfx942, 160 KiB on gfx950) with no spills, from ``python -m jax_mla.aot`` (triton 3.9:
+# compiles, not runs; docs/aot.md). Registers bind, not LDS: a wave has 512 VGPRs (AGPRs
+# included) only while a workgroup has at most 4 waves, one a SIMD; at 8 warps the compiler caps
+# a wave at 256 and the CUDA 64-row tile spilled 800-1500 registers. So 4 warps, 16-token KV
+# tiles and one stage (two stages spilled a register or two in fp16 and fp8); programs hold at
+# most 32 rows (``ROCM_MAX_ROWS``: the 64-row tile spilled SGPRs in verify, and its Q alone took
+# all 64 KiB). 250-360 VGPRs: one wave a SIMD, one program a CU. gfx950 takes the same tiles
+# (its larger LDS does not lift the register bound).
+_ROCM_TILES = {16: {"block_n": 16, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1},
+               32: {"block_n": 16, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1}}
+ROCM_TILES = {"gfx942": _ROCM_TILES, "gfx950": _ROCM_TILES}
+ROCM_DEFAULT_ARCH = "gfx942"  # other or unnamed AMD architectures: the 64 KiB LDS tiles
+ROCM_MAX_ROWS = 32
+# float32 caches (the exact path) on ROCm: 16-row tiles (32 rows spill more), whose KV tile
+# needs two LDS buffers (three stages, 73 KiB) not to spill: on gfx950; gfx942's 64 KiB holds
+# one (two stages), and 2-8 VGPRs spill there (docs/aot.md).
+ROCM_FP32_MAX_ROWS = 16
+ROCM_FP32_TILES = {
+    "gfx942": {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1},
+    "gfx950": {"block_n": 16, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 1},
+}
 # The Gluon sm_90 kernel: 4 warps compile the default partition (warpgroup 0), the worker
 # partition adds 4 more; the schedule hands it KV ranges in pairs of 64-token tiles.
 SM90_TILE = {"block_n": 128, "num_warps": 4, "num_stages": 1, "ctas_per_sm": 1, "sm90": True}
@@ -215,16 +235,30 @@ def sm90_supported(q_dtype, kv_dtype, kv_lora_rank: int, rope_dim: int, has_kv_s
             and (kv_lora_rank, rope_dim) == (512, 64) and not has_kv_scale)
 
 
+def rocm_tile(arch: str | None, rows: int, fp32: bool) -> dict:
+    """The AMD tile for a program of ``rows`` MMA rows on ``arch`` (:data:`ROCM_TILES`, or
+    :data:`ROCM_FP32_TILES` for a float32 cache; other architectures take gfx942's)."""
+    if fp32:
+        return ROCM_FP32_TILES.get(arch, ROCM_FP32_TILES[ROCM_DEFAULT_ARCH])
+    return ROCM_TILES.get(arch, ROCM_TILES[ROCM_DEFAULT_ARCH])[16 if rows <= 16 else 32]
+
+
 def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bool = True,
-                  tuning: TritonTuning | None = None) -> KernelConfig:
+                  tuning: TritonTuning | None = None, kv_dtype=None) -> KernelConfig:
     """The decode tile for ``H`` heads x ``Q`` tokens on ``target`` (see the module's rules).
 
     ``sm90``: whether the Gluon kernel may serve 64-row tiles on Hopper (False where it cannot
     serve the call's dtypes or geometry). ``tuning`` defaults to the environment's.
+    ``kv_dtype``: the cache's dtype (None: a 16-bit one); on ROCm a float32 cache takes 16-row
+    tiles, others at most 32 rows.
     """
     target = as_target(target)
     tuning = TritonTuning.from_env() if tuning is None else tuning
+    rocm = target.platform == "rocm"
+    fp32 = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize >= 4
     max_rows = tuning.max_rows or MAX_ROWS
+    if rocm and not tuning.max_rows:
+        max_rows = ROCM_FP32_MAX_ROWS if fp32 else ROCM_MAX_ROWS
     min_block_m = tuning.min_block_m or 16
     if target.gpu and not tuning.max_rows and 16 < qlen * num_heads <= 32 and qlen <= 16:
         if target.hopper:
@@ -241,11 +275,10 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
     if (sm90 and block_m == 64 and target.hopper and tuning.sm90_kernel
             and not tuning.tile_overrides and gluon_available()):
         return KernelConfig(**common, **SM90_TILE)
-    rows = 16 if block_m <= 16 else 64
-    tile = dict(GPU_TILES[rows])
-    if target.platform == "rocm":
-        cap = (ROCM_MAX_STAGES if target.arch == "gfx950" else GFX942_MAX_STAGES)[rows]
-        tile["num_stages"] = min(tile["num_stages"], cap)
+    if rocm:
+        tile = dict(rocm_tile(target.arch, block_m, fp32))
+    else:
+        tile = dict(GPU_TILES[16 if block_m <= 16 else 64])
     tile.update(tuning.tile_overrides)
     if tuning.ctas_per_sm:
         tile["ctas_per_sm"] = tuning.ctas_per_sm
@@ -312,7 +345,8 @@ def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = N
     tuning = TritonTuning.from_env() if tuning is None else tuning
     p, target = problem, problem.target
     sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale)
-    cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning)
+    cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning,
+                        kv_dtype=p.kv_dtype)
     programs = num_programs(cfg, target)
     # "auto": one planning program on GPUs (a few microseconds); XLA ops under the interpreter.
     planner = tuning.planner if tuning.planner != "auto" else "kernel" if target.gpu else "jnp"

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax_mla import env
 from jax_mla.backends.triton.launch import triton_call
 from jax_mla.paged import expand_indptr
+from jax_mla.problem import as_target
 
 LOG2E = 1.4426950408889634
 
@@ -62,20 +63,34 @@ def head_dim_split(dqk: int, dv: int) -> tuple[int, int, int]:
     return d1, d2, max(16, _pow2_ceil(dv))
 
 
-def pick_config(dqk: int, dv: int, dtype) -> PrefillTritonConfig:
-    """A tile config by head dims and dtype, no autotuning.
+# AMD Instinct, 16-bit types up to 192/128 (``python -m jax_mla.aot``, triton 3.9, compiles):
+# 4 warps, so a wave may have 512 VGPRs (at 8 warps the compiler caps it at 256 and the CUDA
+# tile spilled, besides taking 96 KiB of LDS). gfx942 (64 KiB of LDS): (64, 32) takes 24 KiB and
+# 236 VGPRs; gfx950 (160 KiB): (128, 32) takes 41 KiB and 242 VGPRs. Other AMD archs: gfx942's.
+ROCM_PREFILL_CONFIGS = {
+    "gfx942": PrefillTritonConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    "gfx950": PrefillTritonConfig(block_m=128, block_n=32, num_warps=4, num_stages=2),
+}
+
+
+def pick_config(dqk: int, dv: int, dtype, target=None) -> PrefillTritonConfig:
+    """A tile config by head dims, dtype and target, no autotuning.
 
     Hopper has ~227 KiB of shared memory per block: the Q tile stays resident and every pipeline
     stage holds one K tile and one V tile, so ``(BM*DQK + stages*BN*(DQK+DV)) * itemsize`` must
     fit, and the fp32 accumulators must fit the registers. Checked by compiling for sm_90 (triton
     3.9 + ptxas, no spills): 192/128 bf16 at (128, 64, 8 warps, 3 stages) takes 168 KiB and 216
     registers; 128/128 at the same tiles 128 KiB; a 128-wide key block spills at both. fp32
-    (exact ``ieee`` dots, a correctness path) runs on small tiles.
+    (exact ``ieee`` dots, a correctness path) runs on small tiles. ``target``: a
+    :class:`~jax_mla.problem.Target` (None, or not ROCm: the CUDA tiles); on ROCm 16-bit types
+    up to 192/128 take :data:`ROCM_PREFILL_CONFIGS`.
     """
     d1, d2, bdv = head_dim_split(dqk, dv)
     if jnp.dtype(dtype).itemsize >= 4:
         return PrefillTritonConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
     if d1 + d2 + bdv <= 384:  # up to DeepSeek's 192/128
+        if getattr(target, "platform", None) == "rocm":
+            return ROCM_PREFILL_CONFIGS.get(target.arch, ROCM_PREFILL_CONFIGS["gfx942"])
         return PrefillTritonConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return PrefillTritonConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
@@ -129,7 +144,7 @@ def prefill_triton(q, k, v, cu_q, cu_k, *, scale: float, causal: bool, target,
     t, h, dqk = q.shape
     dv = v.shape[2]
     if config is None:
-        config = pick_config(dqk, dv, q.dtype)
+        config = pick_config(dqk, dv, q.dtype, as_target(target))
     d1, d2, bdv = head_dim_split(dqk, dv)
     nb = num_query_blocks(t, cu_q.shape[0] - 1, config.block_m)
     blk_seq, blk_m0 = query_block_table(cu_q, nb, config.block_m, causal)
