@@ -27,6 +27,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import msgpack
 import numpy as np
 import pytest
 
@@ -56,18 +57,6 @@ fp8,fp8,16,1,1,0,1,0,_ZN5aiter36mla_a8w8_qh16_qseqlen1_gqaratio16_psE,mla_a8w8_q
 """
 
 
-def _msgpack(v) -> bytes:
-    """A minimal MessagePack encoder (maps, arrays, short strings, non-negative ints)."""
-    if isinstance(v, dict):
-        return b"\xde" + len(v).to_bytes(2, "big") + b"".join(_msgpack(k) + _msgpack(x)
-                                                             for k, x in v.items())
-    if isinstance(v, list):
-        return b"\xdc" + len(v).to_bytes(2, "big") + b"".join(map(_msgpack, v))
-    if isinstance(v, str):
-        return b"\xd9" + bytes([len(v.encode())]) + v.encode()
-    return b"\xcf" + int(v).to_bytes(8, "big")
-
-
 def _aiter_args(extra=()):
     """The ``.args`` AITER's kernels declare: one per field, then ``pad`` entries."""
     args = []
@@ -85,7 +74,7 @@ def code_object(kernels: dict) -> bytes:
         {".name": k, ".symbol": k + ".kd", ".kernarg_segment_size": 384,
          ".args": [{".name": n, ".offset": o, ".size": z} for n, o, z in args]}
         for k, args in kernels.items()], "amdhsa.version": [1, 2]}
-    desc = _msgpack(meta)
+    desc = msgpack.packb(meta)
     name = b"AMDGPU\0"
     note = struct.pack("<III", len(name), len(desc), 32) + name + b"\0" + desc
     note += b"\0" * (-len(note) % 8)

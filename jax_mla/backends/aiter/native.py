@@ -169,64 +169,12 @@ def _read_table(path: str) -> KernelTable:
 
 # --- what a code object declares (its AMDGPU metadata note) ----------------------------------
 
-def _msgpack(data: bytes, i: int = 0):
-    """``(value, next index)`` of the MessagePack value at ``data[i]`` (the subset AMDGPU
-    metadata uses: maps, arrays, strings, binaries, integers, floats, nil, booleans)."""
-    import struct
-
-    b = data[i]
-    i += 1
-
-    def take(n):
-        return data[i:i + n], i + n
-
-    def seq(n, is_map, i):
-        out = {} if is_map else []
-        for _ in range(n):
-            k, i = _msgpack(data, i)
-            if is_map:
-                v, i = _msgpack(data, i)
-                out[k] = v
-            else:
-                out.append(k)
-        return out, i
-
-    if b <= 0x7F:
-        return b, i
-    if b >= 0xE0:
-        return b - 0x100, i
-    if 0x80 <= b <= 0x8F:
-        return seq(b & 0x0F, True, i)
-    if 0x90 <= b <= 0x9F:
-        return seq(b & 0x0F, False, i)
-    if 0xA0 <= b <= 0xBF:
-        raw, i = take(b & 0x1F)
-        return raw.decode(), i
-    if b in (0xC0, 0xC2, 0xC3):
-        return {0xC0: None, 0xC2: False, 0xC3: True}[b], i
-    fixed = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
-             0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
-    if b in fixed:
-        raw, i = take(struct.calcsize(fixed[b]))
-        return struct.unpack(fixed[b], raw)[0], i
-    sized = {0xC4: (1, "bin"), 0xC5: (2, "bin"), 0xC6: (4, "bin"), 0xD9: (1, "str"),
-             0xDA: (2, "str"), 0xDB: (4, "str"), 0xDC: (2, "array"), 0xDD: (4, "array"),
-             0xDE: (2, "map"), 0xDF: (4, "map")}
-    if b not in sized:
-        raise ValueError(f"unsupported MessagePack byte 0x{b:02x}")
-    width, kind = sized[b]
-    raw, i = take(width)
-    n = int.from_bytes(raw, "big")
-    if kind in ("array", "map"):
-        return seq(n, kind == "map", i)
-    raw, i = take(n)
-    return (raw.decode() if kind == "str" else raw), i
-
-
 def code_object_kernels(path: str) -> dict:
     """``{kernel name: metadata}`` from a code object's ``NT_AMDGPU_METADATA`` note (the
-    ``amdhsa.kernels`` entries: ``.args``, ``.kernarg_segment_size``, ...)."""
+    ``amdhsa.kernels`` entries: ``.args``, ``.kernarg_segment_size``, ...), a MessagePack map."""
     import struct
+
+    import msgpack  # jax_mla[rocm]
 
     with open(path, "rb") as f:
         elf = f.read()
@@ -246,7 +194,8 @@ def code_object_kernels(path: str) -> dict:
             name = elf[j + 12:j + 12 + namesz].rstrip(b"\0")
             desc = j + 12 + (namesz + 3) // 4 * 4
             if ntype == 32 and name == b"AMDGPU":  # NT_AMDGPU_METADATA
-                meta, _ = _msgpack(elf[desc:desc + descsz])
+                meta = msgpack.unpackb(elf[desc:desc + descsz], raw=False,
+                                       strict_map_key=False)
                 return {kn.get(".name"): kn for kn in meta.get("amdhsa.kernels", [])}
             j = desc + (descsz + 3) // 4 * 4
     raise ValueError("no AMDGPU metadata note")
@@ -261,7 +210,10 @@ def check_code_object(path: str, kernel_name: str) -> None:
     kernel of gfx942 and gfx950 passes (checked against all of their ``.co`` files)."""
     try:
         kernels = code_object_kernels(path)
-    except (OSError, ValueError, IndexError, UnicodeDecodeError) as e:
+    except ImportError as e:
+        raise AiterInstallError(f"checking AITER's code object {path} needs msgpack (pip install "
+                                f"'jax_mla[rocm]')") from e
+    except (OSError, ValueError, IndexError, UnicodeDecodeError) as e:  # msgpack: ValueErrors
         raise AiterInstallError(f"AITER's code object {path} cannot be read as an AMDGPU code "
                                 f"object ({e})") from e
     if kernel_name not in kernels:
