@@ -17,12 +17,17 @@ import tempfile
 import jax
 
 
-def _events(prof) -> list[dict]:
+def _trace(prof) -> list[dict]:
+    """Every event of a finished profile (its Chrome trace)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
+            return json.load(f).get("traceEvents", [])
+
+
+def _events(events: list[dict]) -> list[dict]:
+    """The GPU's own work (kernels, memsets, memcpys), in time order."""
     ev = [e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
     return sorted(ev, key=lambda e: float(e["ts"]))
 
@@ -34,13 +39,8 @@ def _profile(run, raw=False):
     torch.cuda.init()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
-    if raw:
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "trace.json")
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                return json.load(f).get("traceEvents", [])
-    return _events(prof)
+    events = _trace(prof)
+    return events if raw else _events(events)
 
 
 def graph_launches(fn, *args, calls: int = 20) -> dict:

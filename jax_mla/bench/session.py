@@ -76,10 +76,8 @@ def start_peer_build():
     global _peer_build
     if not os.path.isdir(PEERS) or _peer_build is not None:
         return
-    built = _peer_library()
-    if built:  # carried back from an earlier call (``peer_save``)
-        _peer_build = subprocess.Popen(["true"])
-        log("FlashMLA already built:", built)
+    if _peer_library():  # carried back from an earlier call (``peer_save``): peer_path uses it
+        log("FlashMLA already built:", _peer_library())
         return
     log_path = os.path.join(os.path.dirname(os.path.abspath(OUT)), "flashmla_build.log")
     env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "8"))
@@ -113,9 +111,10 @@ def stage_peer_save(_):
 
 
 def peer_path() -> str | None:
-    """FlashMLA's folder once its build has finished well (waits for it), else None."""
+    """FlashMLA's folder once its build has finished well (waits for it), or where its
+    extension was carried in already built; else None."""
     if _peer_build is None:
-        return None
+        return os.path.abspath(PEERS) if _peer_library() else None
     try:
         rc = _peer_build.wait(timeout=600)
     except subprocess.TimeoutExpired:
