@@ -257,3 +257,27 @@ def test_quick_bench_is_a_cpu_smoke_run(tmp_path):
     assert not any(run_dir.iterdir())
     rows = json.loads((tmp / "jax_mla_bench" / "decode.json").read_text())["rows"]
     assert {r["backend"] for r in rows} >= {"xla"} and all("error" not in r for r in rows)
+
+
+def test_cmdbuf_reads_xla_thunk_dump_and_log(tmp_path):
+    from jax_mla.bench import cmdbuf
+
+    assert cmdbuf.thunk_summary(str(tmp_path))["thunk_dump"] is None
+    (tmp_path / "module_0007.jit_many.thunk_sequence.txt").write_text("kKernel\nkKernel\n")
+    (tmp_path / "module_0007.jit_many.thunk_sequence_after_thunk_passes.txt").write_text(
+        "000: kCommandBuffer\n  001: kKernel\n  002: kCustomCall\n003: kCustomCall\n")
+    got = cmdbuf.thunk_summary(str(tmp_path))
+    assert got["thunk_dump"].endswith("after_thunk_passes.txt")
+    assert got["command_buffers"] == 1
+    assert got["thunk_kinds"] == {"CommandBuffer": 1, "Kernel": 1, "CustomCall": 2}
+    log = ("I1205 10:00:00.1 123 command_buffer_conversion_pass.cc:9] Module m "
+           "CommandBufferConfig: enabled_commands: [FUSION]\n"
+           "I1205 10:00:00.2 123 other.cc:1] unrelated\n"
+           "I1205 10:00:00.3 124 command_buffer_conversion_pass.cc:9] Module m "
+           "CommandBufferConfig: enabled_commands: [FUSION]\n"
+           "I1205 10:00:00.4 124 command_buffer_conversion_pass.cc:7] Thunk kind kCopy is not "
+           "lowered to command buffer because command size is less than the min graph size\n")
+    assert cmdbuf.keep_log_lines(log) == [
+        "Module m CommandBufferConfig: enabled_commands: [FUSION]",
+        "Thunk kind kCopy is not lowered to command buffer because command size is less than "
+        "the min graph size"]

@@ -17,6 +17,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   background (``memcheck_wait`` waits for it; the session's end too); ``memcheck_fuzz``: the
   fuzz cases alone, in the foreground;
 - ``graphs``: the command buffers XLA forms around our launches (:data:`GRAPH_SHAPES`);
+  ``cmdbuf``: whether XLA captures them, read from its thunk dump and log, and the stream time
+  with command buffers on, off and at any size (``jax_mla.bench.cmdbuf``);
 - ``planner``: a step's metadata on the GPU, and the planning kernel's knobs
   (``python -m jax_mla.bench.planner``);
 - ``launcher_tests``: the FFI launcher (``docs/launcher.md``): builds its library if this
@@ -358,18 +360,40 @@ def _memcheck_runs(lib, runs=MEMCHECK_RUNS):
             + "\n  ".join(tail))
 
 
-GRAPH_FLAGS = ("--xla_gpu_graph_min_graph_size=1",
-               "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL "
-               "--xla_gpu_graph_min_graph_size=1")
+def stage_cmdbuf(_):
+    """Command buffers around our launches, one process per flag set of
+    :data:`jax_mla.bench.cmdbuf.FLAG_SETS`: the chain's stream and GPU time, the thunks XLA
+    captured (its thunk dump) and XLA's command-buffer log lines; rows to ``cmdbuf.json``."""
+    from jax_mla.bench import cmdbuf
 
-
-def stage_graphs_flags(_):
-    """The ``graphs`` stage again under each of :data:`GRAPH_FLAGS` (rows to the log only)."""
-    for flags in GRAPH_FLAGS:
-        _python(["-m", "jax_mla.bench.session", "graphs"], 150, f"graphs with {flags}",
-                XLA_FLAGS=flags, OUT=os.path.join(os.path.dirname(os.path.abspath(OUT)),
-                                                  "graphs_flags"),
-                JAX_MLA_FFI_LIBRARY=_ffi_library())
+    lib = _ffi_library()
+    rows = []
+    for name, flags in cmdbuf.FLAG_SETS.items():
+        path = os.path.join(os.path.dirname(os.path.abspath(OUT)), f"cmdbuf_{name}.json")
+        env = {k: v for k, v in os.environ.items()
+               if k != "TRITON_INTERPRET" and k not in _CHILD_ENV_DROP}
+        env.update(XLA_FLAGS=flags, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=cmdbuf.VMODULE,
+                   JAX_MLA_FFI_LIBRARY=lib)
+        t = time.time()
+        try:
+            r = subprocess.run([sys.executable, "-m", "jax_mla.bench.cmdbuf", path],
+                               capture_output=True, text=True, timeout=240, env=env)
+            text, rc = r.stdout + r.stderr, r.returncode
+        except subprocess.TimeoutExpired as e:
+            text, rc = f"TIMEOUT\n{e.stdout or ''}{e.stderr or ''}", -1
+        lines = cmdbuf.keep_log_lines(str(text))
+        got = json.load(open(path)) if os.path.exists(path) else []
+        for row in got:
+            row["flag_set"], row["xla_log"] = name, lines
+        rows += got
+        tail = [ln for ln in str(text).splitlines() if ln.strip()][-4:]
+        log(f"cmdbuf {name} rc={rc} in {time.time() - t:.0f} s\n  " + "\n  ".join(lines[:12])
+            + "\n  " + "\n  ".join(json.dumps({k: row.get(k) for k in (
+                "shape", "command_buffers", "stream_us", "gpu_us", "chain_span_us",
+                "dispatch_us", "thunk_kinds", "dump_files")}) for row in got)
+            + ("\n  " + "\n  ".join(tail) if rc else ""))
+    with open(os.path.join(OUT, "cmdbuf.json"), "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 def stage_memcheck(_):

@@ -1,0 +1,118 @@
+"""Does XLA put our launches in command buffers (CUDA graphs), and what does a call cost then?
+
+``python -m jax_mla.bench.cmdbuf OUT.json [SHAPE ...]`` under whatever ``XLA_FLAGS`` the process
+was started with. Per shape it writes: the stream time of the bench's chain of dependent calls,
+the host-dispatched time per call, the chain under CUPTI (GPU span per call, idle gaps, kernels),
+and how XLA grouped the chain's thunks -- read from XLA's own dump of the thunk sequence after its
+thunk passes (``--xla_dump_to``, added here when absent). Command buffers are formed after the
+HLO passes, so the compiled HLO text cannot show them, and the driver's graph launches are not in
+the CUDA runtime records torch's profiler keeps: the dump is the evidence.
+
+The session's ``cmdbuf`` stage runs this once per flag set of :data:`FLAG_SETS` with XLA's
+command-buffer logging on, and keeps the log lines that say why a thunk was or was not captured.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "128,128,4096")
+
+# Flag sets the stage compares (each in its own process: XLA reads its flags once).
+FLAG_SETS = {
+    "default": "",
+    "off": "--xla_gpu_enable_command_buffer=",
+    "min1": "--xla_gpu_graph_min_graph_size=1",
+}
+
+# The XLA modules whose compiler log lines are worth keeping: the conversion pass says which
+# commands are enabled, which thunk kinds it refused and what it captured.
+VMODULE = "command_buffer_conversion_pass=2,command_buffer_thunk=1"
+_KEEP = re.compile(r"CommandBufferConfig|not lowered|lowering is not enabled|Unsupported thunk"
+                   r"|Creating command buffer thunk|Removed command buffer support"
+                   r"|disabled for profiling", re.I)
+CHAIN = 16
+
+
+def keep_log_lines(text: str, limit: int = 40) -> list[str]:
+    """The distinct command-buffer lines of an XLA log (timestamps and source positions cut)."""
+    seen, out = set(), []
+    for line in text.splitlines():
+        if not _KEEP.search(line):
+            continue
+        msg = re.sub(r"^.*?\] ", "", line.strip())[:400]
+        if msg not in seen:
+            seen.add(msg)
+            out.append(msg)
+    return out[:limit]
+
+
+def thunk_summary(dump_dir: str, module: str = "jit_many") -> dict:
+    """How the thunks of the newest ``module`` in an XLA dump are grouped: command buffers and
+    the thunks left outside them, from the thunk sequence after XLA's thunk passes."""
+    files = sorted(glob.glob(os.path.join(dump_dir, f"*{module}*thunk*")), key=os.path.getmtime)
+    after = [f for f in files if "after" in os.path.basename(f)] or files
+    if not after:
+        return {"thunk_dump": None,
+                "dump_files": sorted(os.path.basename(f) for f in
+                                     glob.glob(os.path.join(dump_dir, "*")))[:30]}
+    text = open(after[-1]).read()
+    kinds = re.findall(r"\bk([A-Z][A-Za-z]+)\b", text)
+    counts: dict[str, int] = {}
+    for k in kinds:
+        counts[k] = counts.get(k, 0) + 1
+    return {"thunk_dump": os.path.basename(after[-1]),
+            "command_buffers": counts.get("CommandBuffer", 0),
+            "thunk_kinds": counts,
+            "thunk_text_head": text[:1500]}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out_path, specs = argv[0], argv[1:] or list(SHAPES)
+    flags = os.environ.get("XLA_FLAGS", "")
+    dump = re.search(r"--xla_dump_to=(\S+)", flags)
+    if dump is None:
+        dump_dir = tempfile.mkdtemp(prefix="xla_dump_")
+        os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={dump_dir} "
+                                   "--xla_dump_hlo_module_re=jit_many").strip()
+    else:
+        dump_dir = dump.group(1)
+
+    import jax
+    import numpy as np
+
+    from jax_mla.bench import profile
+    from jax_mla.bench.decode import Shape, attention_call
+    from jax_mla.bench.timing import chained, device_time, dispatch_time
+
+    rows = []
+    for spec in specs:
+        shape = Shape.parse(spec)
+        fn, args = attention_call(shape, np.random.default_rng(0))
+        for old in glob.glob(os.path.join(dump_dir, "*")):
+            os.remove(old)
+        many = chained(fn, CHAIN)
+        jax.block_until_ready(many(*args))
+        row = {"shape": shape.name, "xla_flags": flags, **thunk_summary(dump_dir)}
+        row["stream_us"] = device_time(fn, *args, min_ms=20.0) * 1e6
+        row["dispatch_us"] = dispatch_time(fn, *args) * 1e6
+        if profile.available():
+            row["gpu_us"] = profile.kernel_times(fn, *args)["gpu_us"]
+            gaps = profile.chain_gaps(fn, *args, n=CHAIN)
+            row.update(chain_span_us=gaps["span_us"], chain_launches=gaps["launches"],
+                       chain_gap_us=sum(gaps["gap_before_us"].values()))
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "thunk_text_head"}), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
