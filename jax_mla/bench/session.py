@@ -15,7 +15,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`;
 - ``memcheck``: the Triton fuzz cases and conformance cases under compute-sanitizer, in the
   background (``memcheck_wait`` waits for it; the session's end too); ``memcheck_fuzz``: the
-  fuzz cases alone, in the foreground;
+  fuzz cases alone, in the foreground; ``memcheck_conformance``: the conformance cases alone,
+  in sanitized shards side by side;
 - ``graphs``: the command buffers XLA forms around our launches (:data:`GRAPH_SHAPES`);
   ``cmdbuf``: whether XLA captures them, read from its thunk dump and log, and the stream time
   with command buffers on, off and at any size (``jax_mla.bench.cmdbuf``);
@@ -394,6 +395,30 @@ def stage_cmdbuf(_):
             + ("\n  " + "\n  ".join(tail) if rc else ""))
     with open(os.path.join(OUT, "cmdbuf.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def stage_memcheck_conformance(_):
+    """The Triton half of the conformance suite under the sanitizer, in the foreground, split
+    into :data:`MEMCHECK_SHARDS` sanitized processes that run side by side (one test at a time
+    under the sanitizer took the whole call's time); each shard's log to
+    ``memcheck_conformance_<i>.txt``."""
+    import concurrent.futures
+
+    name, args, limit = MEMCHECK_RUNS[2]
+    collected = subprocess.run([sys.executable, *args, "--collect-only"], capture_output=True,
+                               text=True, env={k: v for k, v in os.environ.items()
+                                               if k != "TRITON_INTERPRET"})
+    ids = [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
+    log(f"{len(ids)} conformance cases in {MEMCHECK_SHARDS} sanitized shards")
+    runs = [(f"conformance_{i}", ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  *ids[i::MEMCHECK_SHARDS]], limit)
+            for i in range(MEMCHECK_SHARDS) if ids[i::MEMCHECK_SHARDS]]
+    lib = _ffi_library()
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        list(pool.map(lambda run: _memcheck_runs(lib, [run]), runs))
+
+
+MEMCHECK_SHARDS = 4
 
 
 def stage_memcheck(_):
