@@ -12,7 +12,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   kernel's time and the GPU's idle gap before it;
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
-- ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`;
+- ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`; ``ab_fp8``: the
+  fp8-cache tiles of :data:`FP8_AB_VARIANTS` at :data:`FP8_AB_SHAPES`;
 - ``memcheck``: the Triton fuzz cases and conformance cases under compute-sanitizer, in the
   background (``memcheck_wait`` waits for it; the session's end too); ``memcheck_fuzz``: the
   fuzz cases alone, in the foreground; ``memcheck_conformance``: the conformance cases alone,
@@ -236,6 +237,17 @@ def stage_aiter(_):
 def stage_ab(_):
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "ab.json"), *AB_VARIANTS, "--",
              *AB_SHAPES], 900, "ab")
+
+
+# fp8 caches at 16 heads: the 16-row tile's KV tile length and stages (the bf16 shapes beside
+# them are the reference the fp8 target is a ratio to).
+FP8_AB_SHAPES = ("64,16,4096,1,64,fp8", "64,16,4096", "128,16,8192,1,64,fp8", "128,16,8192")
+FP8_AB_VARIANTS = ("base", "bn16s3:block_n=16,num_stages=3", "bn16s4:block_n=16,num_stages=4")
+
+
+def stage_ab_fp8(_):
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "ab_fp8.json"), *FP8_AB_VARIANTS,
+             "--", *FP8_AB_SHAPES], 400, "ab fp8")
 
 
 @functools.cache
