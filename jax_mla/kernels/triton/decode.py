@@ -130,8 +130,12 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
         v_rows = rows
         rows = _kv_rows(bt_row, tl.minimum(start + BLOCK_N, last),
                         tl.minimum(pos + BLOCK_N, last), PAGE_SIZE, TILE_IN_PAGE, NUM_PAGES)
+        # An fp8 tile feeding both products from one load is not pipelined (the transposed
+        # value operand cannot come from shared memory as fp8): at 16 x 16 the values get a
+        # load of their own (an L2 hit), in fp16 (exact for e4m3 and e5m2), and both loads go
+        # through shared memory ahead of use. Larger tiles spill that way (docs/triton.md).
         FP8_SPLIT: tl.constexpr = (not UPCAST) and k_nope.dtype.is_fp8() \
-            and q_nope.dtype == tl.bfloat16
+            and q_nope.dtype == tl.bfloat16 and q_nope.shape[0] <= 16 and BLOCK_N <= 16
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
