@@ -91,20 +91,6 @@ def _load_kv(kv_ptr, rows, offs_l, offs_r, valid, L: tl.constexpr, R: tl.constex
 
 
 @triton.jit
-def _load_v(kv_ptr, rows, offs_l, valid, L: tl.constexpr, R: tl.constexpr,
-            EVEN_L: tl.constexpr, MASKED: tl.constexpr):
-    """The tile's value rows ``[BLOCK_N, BLOCK_L]`` again, as a load of their own (see
-    ``FP8_SPLIT``); its eviction policy differs from the key load's so the two stay apart."""
-    base = kv_ptr + rows[:, None] * (L + R) + offs_l[None, :]
-    if MASKED:
-        return tl.load(base, mask=valid[:, None] & (offs_l[None, :] < L), other=0.0,
-                       eviction_policy="evict_first")
-    if EVEN_L:
-        return tl.load(base, eviction_policy="evict_first")
-    return tl.load(base, mask=offs_l[None, :] < L, other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
 def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale,
             L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
@@ -127,27 +113,14 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
         valid = pos < hi
         k_nope, k_pe = _load_kv(kv_ptr, rows, offs_l, offs_r, valid, L, R, EVEN_L, EVEN_R,
                                 MASKED)
-        v_rows = rows
         rows = _kv_rows(bt_row, tl.minimum(start + BLOCK_N, last),
                         tl.minimum(pos + BLOCK_N, last), PAGE_SIZE, TILE_IN_PAGE, NUM_PAGES)
-        # An fp8 tile feeding both products from one load is not pipelined (the transposed
-        # value operand cannot come from shared memory as fp8): at 16 x 16 the values get a
-        # load of their own (an L2 hit), in fp16 (exact for e4m3 and e5m2), and both loads go
-        # through shared memory ahead of use. Larger tiles spill that way (docs/triton.md).
-        FP8_SPLIT: tl.constexpr = (not UPCAST) and k_nope.dtype.is_fp8() \
-            and q_nope.dtype == tl.bfloat16 and q_nope.shape[0] <= 16 and BLOCK_N <= 16
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
-            v = k_nope
-        elif FP8_SPLIT:
-            v = _load_v(kv_ptr, v_rows, offs_l, valid, L, R, EVEN_L, MASKED).to(tl.float16)
-            k_nope = k_nope.to(q_nope.dtype)
-            k_pe = k_pe.to(q_pe.dtype)
         else:
             k_nope = k_nope.to(q_nope.dtype)
             k_pe = k_pe.to(q_pe.dtype)
-            v = k_nope
         s = _dot(q_nope, tl.trans(k_nope), _dot0(q_pe, tl.trans(k_pe), IEEE), IEEE)
         s = s * qk_scale
         if MASKED:
@@ -161,7 +134,7 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
         alpha = tl.math.exp2(m_i - m_sub)
         p = tl.math.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+        acc = _dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], IEEE)
         m_i = m_new
     return acc, m_i, l_i
 
