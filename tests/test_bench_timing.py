@@ -281,3 +281,18 @@ def test_cmdbuf_reads_xla_thunk_dump_and_log(tmp_path):
         "Module m CommandBufferConfig: enabled_commands: [FUSION]",
         "Thunk kind kCopy is not lowered to command buffer because command size is less than "
         "the min graph size"]
+
+
+def test_cmdbuf_finds_thunk_dumps_in_module_folders(tmp_path):
+    from jax_mla.bench import cmdbuf
+
+    sub = tmp_path / "module_0009.jit_many"
+    sub.mkdir()
+    (sub / "module_0009.jit_many.thunk_sequence_after_thunk_passes.txt").write_text(
+        "kCommandBuffer\nkCommandBuffer\n")
+    (tmp_path / "module_0009.jit_many.sm_9.0_gpu_after_optimizations.txt").write_text("HloModule")
+    got = cmdbuf.thunk_summary(str(tmp_path))
+    assert got["command_buffers"] == 2
+    (sub / "module_0009.jit_many.thunk_sequence_after_thunk_passes.txt").unlink()
+    assert cmdbuf.thunk_summary(str(tmp_path))["dump_files"] == [
+        "module_0009.jit_many.sm_9.0_gpu_after_optimizations.txt"]

@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -55,12 +56,16 @@ def keep_log_lines(text: str, limit: int = 40) -> list[str]:
 def thunk_summary(dump_dir: str, module: str = "jit_many") -> dict:
     """How the thunks of the newest ``module`` in an XLA dump are grouped: command buffers and
     the thunks left outside them, from the thunk sequence after XLA's thunk passes."""
-    files = sorted(glob.glob(os.path.join(dump_dir, f"*{module}*thunk*")), key=os.path.getmtime)
+    files = sorted((f for f in glob.glob(os.path.join(dump_dir, "**", f"*{module}*"),
+                                         recursive=True)
+                    if "thunk" in os.path.basename(f) and os.path.isfile(f)),
+                   key=os.path.getmtime)
     after = [f for f in files if "after" in os.path.basename(f)] or files
     if not after:
         return {"thunk_dump": None,
-                "dump_files": sorted(os.path.basename(f) for f in
-                                     glob.glob(os.path.join(dump_dir, "*")))[:30]}
+                "dump_files": sorted(os.path.relpath(f, dump_dir) for f in
+                                     glob.glob(os.path.join(dump_dir, "**"), recursive=True)
+                                     if os.path.isfile(f))[:40]}
     text = open(after[-1]).read()
     kinds = re.findall(r"\bk([A-Z][A-Za-z]+)\b", text)
     counts: dict[str, int] = {}
@@ -95,8 +100,8 @@ def main(argv=None) -> int:
     for spec in specs:
         shape = Shape.parse(spec)
         fn, args = attention_call(shape, np.random.default_rng(0))
-        for old in glob.glob(os.path.join(dump_dir, "*")):
-            os.remove(old)
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        os.makedirs(dump_dir, exist_ok=True)
         many = chained(fn, CHAIN)
         jax.block_until_ready(many(*args))
         row = {"shape": shape.name, "xla_flags": flags, **thunk_summary(dump_dir)}
