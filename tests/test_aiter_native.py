@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
+from test_aiter_kernel_set import PINNED_CSV
 
 import jax_mla
 from jax_mla.backends.aiter import build_aiter_decode_metadata, native
@@ -41,7 +42,8 @@ from aiter_standin.harness import forced_standins
 pytestmark = pytest.mark.skipif(native.library_error() is not None,
                                 reason=f"FFI library unavailable: {native.library_error()}")
 
-# Rows of hsa/gfx950/mla/mla_asm.csv at ROCm/aiter e4048607 (the routes below use these).
+# Rows of hsa/gfx950/mla/mla_asm.csv at ROCm/aiter e4048607 (the table-form checks edit these;
+# the fake install below holds every row of both tables, PINNED_CSV, since routing reads them).
 CSV_950 = """qType,kvType,Gqa,ps,qSeqLen,prefill,causal,lse,cprr,knl_name,co_name
 bf16,bf16,16,0,1,0,1,0,0,_ZN5aiter39mla_dec_stage1_bf16_a16w16_subQ16_mqa16E,mla_dec_stage1_bf16_a16w16_subQ16_mqa16.co
 bf16,bf16,16,0,4,0,1,0,0,_ZN5aiter39mla_a16w16_qh16_m16x4_n16x1_coex0_mask1E,mla_a16w16_qh16_m16x4_n16x1_coex0_mask1.co
@@ -49,11 +51,6 @@ bf16,bf16,32,1,4,0,1,0,0,_ZN5aiter38mla_a16w16_qh32_qseqlen4_gqaratio32_psE,mla_
 bf16,bf16,32,1,4,0,1,1,0,_ZN5aiter42mla_a16w16_qh32_qseqlen4_gqaratio32_lse_psE,mla_a16w16_qh32_qseqlen4_gqaratio32_lse_ps.co
 bf16,bf16,64,1,1,0,1,0,0,_ZN5aiter41mla_a16w16_qh64_qseqlen1_gqaratio64_v3_psE,mla_a16w16_qh64_qseqlen1_gqaratio64_v3_ps.co
 bf16,bf16,64,1,1,0,1,1,0,_ZN5aiter45mla_a16w16_qh64_qseqlen1_gqaratio64_lse_v3_psE,mla_a16w16_qh64_qseqlen1_gqaratio64_lse_v3_ps.co
-"""
-# The same kernels under gfx942's columns (no cprr), for the table checks.
-CSV_942 = """qType,kvType,Gqa,ps,qSeqLen,prefill,causal,lse,knl_name,co_name
-bf16,bf16,16,1,4,0,1,0,_ZN5aiter42mla_a16w16_qh16_m16x4_n16x1_coex0_mask1_psE,mla_a16w16_qh16_m16x4_n16x1_coex0_mask1_ps.co
-fp8,fp8,16,1,1,0,1,0,_ZN5aiter36mla_a8w8_qh16_qseqlen1_gqaratio16_psE,mla_a8w8_qh16_qseqlen1_gqaratio16_ps.co
 """
 
 
@@ -100,8 +97,8 @@ def _fake_aiter(root, arch="gfx950", text=CSV_950, with_co=True):
 
 @pytest.fixture
 def fake_aiter(tmp_path, monkeypatch):
-    root = _fake_aiter(tmp_path / "hsa")
-    _fake_aiter(root, "gfx942", CSV_942)
+    root = _fake_aiter(tmp_path / "hsa", "gfx950", PINNED_CSV["gfx950"])
+    _fake_aiter(root, "gfx942", PINNED_CSV["gfx942"])
     monkeypatch.setenv("AITER_ASM_DIR", str(root))
     return root
 
@@ -267,8 +264,11 @@ def test_kernel_selection_follows_aiters_rules(fake_aiter):
     c = native.select_kernel(t942, arch="gfx942", q_type="bf16", kv_type="bf16", gqa=16, qlen=3,
                              persistent=True, lse=False)
     assert c.kernel_name.endswith("mask1_psE")
+    c = native.select_kernel(t942, arch="gfx942", q_type="fp8", kv_type="fp8", gqa=16, qlen=2,
+                             persistent=True, lse=False)
+    assert c.kernel_name == "_ZN5aiter36mla_a8w8_qh16_qseqlen2_gqaratio16_psE"
     with pytest.raises(NotImplementedError, match="no asm MLA decode kernel"):
-        native.select_kernel(t942, arch="gfx942", q_type="fp8", kv_type="fp8", gqa=16, qlen=2,
+        native.select_kernel(t942, arch="gfx942", q_type="bf16", kv_type="bf16", gqa=16, qlen=8,
                              persistent=True, lse=False)
     with pytest.raises(NotImplementedError, match="fp8 gqa 64 runs persistent only"):
         native.kernel_key(arch="gfx942", q_type="fp8", kv_type="fp8", gqa=64, qlen=1,
@@ -412,9 +412,13 @@ def test_a_code_object_of_another_layout_falls_back_with_the_reason(aiter_on_roc
 def test_a_mismatching_install_falls_back_with_the_reason(aiter_on_rocm, tmp_path, monkeypatch):
     root = _fake_aiter(tmp_path / "hsa", text=CSV_950.replace("knl_name", "kernel"))
     monkeypatch.setenv("AITER_ASM_DIR", str(root))
-    with pytest.warns(RuntimeWarning, match="is not the one jax_mla reads"):
+    with pytest.warns(RuntimeWarning, match="is not the one jax_mla reads") as rec:
         text, _ = _lower_decode()
     assert native.TARGET_NAME not in _custom_calls(text)
+    said = [str(w.message) for w in rec]
+    assert any("Python bridge" in m and "is not the one jax_mla reads" in m for m in said), said
+    # routing says it used the static table, not the unreadable installed one
+    assert any("by the static table" in m for m in said), said
 
 
 # --- the route's jnp around the kernel, with the kernel emulated ------------------------------

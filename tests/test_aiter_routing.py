@@ -248,6 +248,75 @@ def test_kernel_table_checks():
         caps.check_route_kernels(_route("gfx950", 1, 1, 16, "fp16"))
 
 
+# Each fact the static tables had wrong against hsa/<arch>/mla/mla_asm.csv at ROCm/aiter
+# e4048607 (read through asm_mla.cu's key rewrite); tests/test_aiter_kernel_set.py checks the
+# whole tables against that csv. (arch, q, kv, kernel heads, qlen, persistent, lse) -> served?
+CORRECTED_FACTS = [
+    # gfx942 ships the 8-head qlen-2 bf16 kernel only persistent (subQ16_mqa16_ps); split-KV
+    # 8 heads is qlen 1 only there (gfx950 has qlen 2 split-KV).
+    ("gfx942", "bf16", "bf16", 8, 1, False, False, True),
+    ("gfx942", "bf16", "bf16", 8, 2, False, False, False),
+    ("gfx950", "bf16", "bf16", 8, 2, False, False, True),
+    ("gfx942", "bf16", "bf16", 8, 2, True, False, True),
+    ("gfx942", "bf16", "bf16", 8, 2, True, True, False),
+    # gfx942 split-KV bf16 64 heads: qlen 1 keys the qseqlen1 gqa64 kernel, which only gfx950
+    # ships; qlen >= 2 runs the generic one, as 32 and 128 heads do at every qlen.
+    ("gfx942", "bf16", "bf16", 64, 1, False, False, False),
+    ("gfx942", "bf16", "bf16", 64, 2, False, False, True),
+    ("gfx942", "bf16", "bf16", 32, 1, False, False, True),
+    ("gfx942", "bf16", "bf16", 128, 1, False, False, True),
+    ("gfx950", "bf16", "bf16", 64, 1, False, False, True),
+    # gfx942's persistent fp8 64-head qlen-1 kernel, with its LSE variant, is real (the only
+    # persistent LSE there); fp8 64 heads has no split-KV kernel.
+    ("gfx942", "fp8", "fp8", 64, 1, True, True, True),
+    ("gfx942", "fp8", "fp8", 64, 2, True, False, False),
+    ("gfx942", "fp8", "fp8", 64, 1, False, False, False),
+    # split-KV fp8 16 heads: qlen 3 pads to the qseqlen4 kernel (as persistent does)
+    ("gfx942", "fp8", "fp8", 16, 3, False, False, True),
+    ("gfx950", "fp8", "fp8", 16, 3, False, False, True),
+    ("gfx950", "fp8", "fp8", 16, 5, False, False, False),
+    # gfx950 ships the bf16-q / fp8-KV persistent qseqlen4 kernel too (no LSE variant)
+    ("gfx950", "bf16", "fp8", 16, 4, True, False, True),
+    ("gfx950", "bf16", "fp8", 16, 4, True, True, False),
+    ("gfx950", "bf16", "fp8", 16, 5, True, False, False),
+    # gfx950 fp8 persistent LSE, unknown before: gqa16 qlen 2 has none, gqa32 qlen 1 and gqa8
+    # qlen 4 have one
+    ("gfx950", "fp8", "fp8", 16, 2, True, False, True),
+    ("gfx950", "fp8", "fp8", 16, 2, True, True, False),
+    ("gfx950", "fp8", "fp8", 32, 1, True, True, True),
+    ("gfx950", "fp8", "fp8", 8, 4, True, True, True),
+    # gfx950 bf16 persistent 8 heads reach the generic kernels from qlen 8 (gqa * qlen >= 64)
+    ("gfx950", "bf16", "bf16", 8, 7, True, False, False),
+    ("gfx950", "bf16", "bf16", 8, 8, True, True, True),
+    # unchanged, pinned with them: the split-KV bf16 16-head qseqlen8 kernel is taken to serve
+    # qlen <= 8 only (AITER's rewrite keys every qlen > 4 to it, but does not hand it the head
+    # count as the generic kernels get it); gfx942 drops ps for bf16 128 heads (no persistent
+    # 128-head bf16 kernel: AITER folds to 16)
+    ("gfx942", "bf16", "bf16", 16, 8, False, False, True),
+    ("gfx942", "bf16", "bf16", 16, 9, False, False, False),
+    ("gfx942", "bf16", "bf16", 128, 1, True, False, False),
+]
+
+
+@pytest.mark.parametrize("fact", CORRECTED_FACTS, ids=lambda f: "-".join(map(str, f)))
+def test_kernel_tables_state_the_pinned_csvs_facts(fact):
+    arch, q, kv, heads, qlen, persistent, lse, want = fact
+    got = caps.asm_kernel_served(caps.ASM_KERNELS[arch], q, kv, heads, qlen,
+                                 persistent=persistent, lse=lse)
+    assert got is want
+
+
+def test_bf16_query_over_an_fp8_cache_routes_on_gfx950():
+    # The corrected gfx950 table has the bf16-q / fp8-KV persistent kernel: 128 heads fold onto it
+    r = caps.decide_route(arch="gfx950", num_heads=128, qlen=2, q_dtype="bf16", kv_dtype="fp8")
+    assert r.kind == "asm" and r.persistent
+    caps.check_route_kernels(r)
+    with pytest.raises(NotImplementedError, match="that returns an LSE"):
+        caps.check_route_kernels(caps.decide_route(arch="gfx950", num_heads=128, qlen=2,
+                                                   q_dtype="bf16", kv_dtype="fp8",
+                                                   return_lse=True))
+
+
 # --- builder cases (vLLM's builder tests) --------------------------------------------------------
 
 

@@ -5,11 +5,17 @@ query counts, the small-head mode): nothing probes a GPU or imports ``aiter``. T
 decided once, when the decode metadata is built (:func:`decide_route`), carried in it, and only
 read by the attention call.
 
-The rules and tables are docs/design.md §7.5-§7.8: read from AITER's ``hsa/<arch>/mla/
-mla_asm.csv``, ``asm_mla.cu``, ``aiter/mla.py`` and ``csrc/kernels/mla/metadata/v1_2_device.cuh``
-at ROCm/aiter e4048607, with vLLM's ROCm AITER MLA backend as the tie-breaker. Entries the
-sources leave open are ``None`` ("unknown") in the kernel tables; :func:`asm_kernel_available`
-returns ``None`` for them and callers only refuse a definite ``False``.
+The rules are docs/design.md §7.5-§7.8: read from AITER's ``hsa/<arch>/mla/mla_asm.csv``,
+``asm_mla.cu``, ``aiter/mla.py`` and ``csrc/kernels/mla/metadata/v1_2_device.cuh`` at
+ROCm/aiter e4048607 (:data:`AITER_COMMIT`), with vLLM's ROCm AITER MLA backend as the
+tie-breaker.
+
+Which asm decode kernels exist is an :class:`AsmKernelSet`: the one derived from the installed
+AITER's ``mla_asm.csv`` (``native.installed_kernel_set``, filled in by ``plan.make_plan``), or,
+where no installation is found, the static tables :data:`ASM_KERNELS` (the pinned commit's
+tables, checked equal to the ones derived from its csv). :func:`asm_kernel_available` returns
+``None`` ("unknown") for a row whose LSE support is ``None``; callers only refuse a definite
+``False``.
 
 Dtype names used throughout: ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp8"`` (either fp8 e4m3
 flavour: AITER's C++ only distinguishes "is fp8"; the arch picks fnuz or fn, :func:`fp8_dtype`).
@@ -18,12 +24,16 @@ flavour: AITER's C++ only distinguishes "is fp8"; the arch picks fnuz or fn, :fu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 
 import jax.numpy as jnp
 
 from jax_mla import env
 from jax_mla import heads as _heads
+
+# The ROCm/aiter commit the tables, rules and kernel-argument block were read from.
+AITER_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
 
 ARCHES = ("gfx942", "gfx950")
 SMALL_HEAD_MODES = ("auto", "gluon", "asm")
@@ -73,6 +83,9 @@ class AiterBuild:
       gluon_kernel: ``aiter.ops.triton.gluon.mla_gluon`` (or the legacy name) imports.
       segmented_kernel: ``aiter.ops.triton.attention.mla.mla_decode_fwd`` imports.
       fp8_prefill_kernels: ``aiter.mla_prefill_ps_asm_fwd`` and ``aiter.mla_reduce_v1`` import.
+      asm_kernels: the asm decode kernels of one arch (:class:`AsmKernelSet`), derived from the
+        installed AITER's ``mla_asm.csv``; ``None``: not given (``plan.make_plan`` then finds
+        the installed set, the pure functions here use the static :data:`ASM_KERNELS`).
     """
 
     native_h24_reducer: bool = True
@@ -80,6 +93,7 @@ class AiterBuild:
     gluon_kernel: bool = True
     segmented_kernel: bool = True
     fp8_prefill_kernels: bool = True
+    asm_kernels: AsmKernelSet | None = None
 
     @property
     def native_h24(self) -> bool:
@@ -301,43 +315,151 @@ class AsmKernelRow:
 _Q4 = (1, 2, 3, 4)
 _Q8 = tuple(range(1, 9))
 
-# Non-persistent LSE comes from the Triton stage 2, so every non-persistent row can return one.
+# AITER's hsa/<arch>/mla/mla_asm.csv at AITER_COMMIT, read through asm_mla.cu's key rewrite
+# (native.kernel_key): which (kernel heads, qlen) each mode serves. tests/test_aiter_kernel_set.py
+# checks these tables equal the ones derived from that csv (native.kernel_set_from_table), so the
+# two cannot drift. 8-head rows are facts of the csv that jax_mla never reaches (the asm route
+# pads to 16 heads). Non-persistent LSE comes from the Triton stage 2: every such row has one.
 ASM_KERNELS: dict[str, tuple[AsmKernelRow, ...]] = {
     "gfx942": (
         # Persistent: heads 32..128 are folded to 16 first, so qlen > 4 has no bf16 kernel.
+        # The qseqlen4 kernels serve qlen 1..4 (AITER pads the query length).
         AsmKernelRow("bf16", "bf16", (16,), _Q4, True, False),
+        AsmKernelRow("bf16", "bf16", (8,), (2,), True, False),  # subQ16_mqa16_ps (AITER: native)
         AsmKernelRow("bf16", "fp8", (16,), _Q4, True, False),
-        AsmKernelRow("fp8", "fp8", (16,), _Q4, True, False),  # qlen 3 runs the qseqlen4 kernel
+        AsmKernelRow("fp8", "fp8", (16,), _Q4, True, False),
         AsmKernelRow("fp8", "fp8", (64,), (1,), True, True),  # the only persistent LSE on gfx942
         AsmKernelRow("fp8", "fp8", (128,), None, True, False),
         AsmKernelRow("bf16", "bf16", (16,), _Q8, False, True),
-        AsmKernelRow("bf16", "bf16", (32, 64, 128), None, False, True),
-        AsmKernelRow("bf16", "bf16", (8,), (1, 2), False, True),
-        AsmKernelRow("fp8", "fp8", (16,), (1, 2, 4), False, True),
+        # 64 heads at qlen 1 key the qseqlen1 gqa64 kernel, which only gfx950 ships.
+        AsmKernelRow("bf16", "bf16", (32, 128), None, False, True),
+        AsmKernelRow("bf16", "bf16", (64,), None, False, True, qlen_min=2),
+        AsmKernelRow("bf16", "bf16", (8,), (1,), False, True),  # qlen 2 is gfx950's
+        AsmKernelRow("fp8", "fp8", (16,), _Q4, False, True),  # qlen 3 runs the qseqlen4 kernel
         AsmKernelRow("fp8", "fp8", (128,), None, False, True),
         AsmKernelRow("fp8", "fp8", (8,), (1,), False, True),
     ),
     "gfx950": (
         # bf16 persistent: every head count >= 16 runs natively on two generic kernels (qh32-
-        # qseqlen4 / qh64-qseqlen1, s_MQA = gqa), both with LSE variants.
+        # qseqlen4 / qh64-qseqlen1, s_MQA = gqa), both with LSE variants; 8 heads reach them
+        # from qlen 8 (gqa * qlen >= 64).
         AsmKernelRow("bf16", "bf16", None, None, True, True),
-        # fp8 persistent: qseqlen4 / qseqlen1 16/32 kernels carry LSE variants; gqa16 qlen 2 and
-        # native gqa32 qlen 1 are listed without saying (unknown).
+        AsmKernelRow("bf16", "bf16", (8,), None, True, True, qlen_min=8),
+        AsmKernelRow("bf16", "fp8", (16,), _Q4, True, False),
+        # fp8 persistent: the qseqlen4 / qseqlen1 16/32 kernels carry LSE variants; gqa16 qlen 2
+        # has none.
         AsmKernelRow("fp8", "fp8", (16,), (1,), True, True),
-        AsmKernelRow("fp8", "fp8", (16,), (2,), True, None),
+        AsmKernelRow("fp8", "fp8", (16,), (2,), True, False),
         AsmKernelRow("fp8", "fp8", (16,), None, True, True, qlen_min=3),
-        AsmKernelRow("fp8", "fp8", (32,), (1,), True, None),
-        AsmKernelRow("fp8", "fp8", (32,), None, True, True, qlen_min=2),
-        AsmKernelRow("fp8", "fp8", (64, 128), None, True, True),
-        AsmKernelRow("fp8", "fp8", (8,), (4,), True, None),
+        AsmKernelRow("fp8", "fp8", (32, 64, 128), None, True, True),
+        AsmKernelRow("fp8", "fp8", (8,), (4,), True, True),
         AsmKernelRow("bf16", "bf16", (16,), _Q8, False, True),
         AsmKernelRow("bf16", "bf16", (32, 64, 128), None, False, True),
         AsmKernelRow("bf16", "bf16", (8,), (1, 2), False, True),
-        AsmKernelRow("fp8", "fp8", (16,), (1, 2, 4), False, True),
+        AsmKernelRow("fp8", "fp8", (16,), _Q4, False, True),  # qlen 3 runs the qseqlen4 kernel
         AsmKernelRow("fp8", "fp8", (128,), None, False, True),
         AsmKernelRow("fp8", "fp8", (8,), (1,), False, True),
     ),
 }
+
+# The domain a kernel set is derived over and compared on: every head count AITER's reducer is
+# built for, every dtype pair of bf16/fp8, qlen 1..32. AITER's key rewrite compares qlen with
+# constants up to 8 and gqa * qlen with 64 and 128 (qlen 16 at 8 heads), so above 16 every qlen
+# takes the same key: a family served at qlen 32 serves every larger qlen.
+KERNEL_SET_HEADS = (8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
+KERNEL_SET_DTYPES = (("bf16", "bf16"), ("bf16", "fp8"), ("fp8", "fp8"), ("fp8", "bf16"))
+KERNEL_SET_MAX_QLEN = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class AsmKernelSet:
+    """The asm decode kernels of one arch, as :class:`AsmKernelRow` rows, and their origin.
+
+    Attributes:
+      arch: the arch the rows are for.
+      rows: the availability rows (the static :data:`ASM_KERNELS` entry, or derived from an
+        installed ``mla_asm.csv`` by ``native.kernel_set_from_table``).
+      source: where they come from, for messages (the csv's path, or the static table and why).
+      installed: derived from an installed AITER (False: the static table).
+    """
+
+    arch: str
+    rows: tuple[AsmKernelRow, ...] = dataclasses.field(repr=False)
+    source: str = ""
+    installed: bool = False
+
+
+def static_kernel_set(arch: str, why: str = "no kernel set given") -> AsmKernelSet:
+    """The static table of ``arch`` (ROCm/aiter :data:`AITER_COMMIT`), saying ``why`` it is used."""
+    name = arch_info(arch).name
+    return AsmKernelSet(name, ASM_KERNELS[name],
+                        f"the static table (ROCm/aiter {AITER_COMMIT[:8]}'s hsa/{name}/mla/"
+                        f"mla_asm.csv): {why}", installed=False)
+
+
+def resolve_kernel_set(arch: str, kernels: AsmKernelSet | None = None) -> AsmKernelSet:
+    """``kernels`` (checked to be ``arch``'s), else the static table of ``arch``."""
+    if kernels is None:
+        return static_kernel_set(arch)
+    if kernels.arch != arch_info(arch).name:
+        raise ValueError(f"the asm kernel set is {kernels.arch}'s ({kernels.source}), but the "
+                         f"plan is for {arch}")
+    return kernels
+
+
+def asm_kernel_facts(rows) -> dict[tuple, bool | None]:
+    """``{(q, kv, kernel heads, qlen, persistent): lse}`` for every shape ``rows`` serve on the
+    :data:`KERNEL_SET_HEADS` x :data:`KERNEL_SET_DTYPES` x qlen 1..:data:`KERNEL_SET_MAX_QLEN`
+    domain (``lse``: whether it can also return the LSE; ``None`` unknown). Two tables are the
+    same kernel set when their facts are equal, however their rows are grouped."""
+    facts = {}
+    for (q, kv), ps, h, qlen in itertools.product(
+            KERNEL_SET_DTYPES, (True, False), KERNEL_SET_HEADS,
+            range(1, KERNEL_SET_MAX_QLEN + 1)):
+        if asm_kernel_served(rows, q, kv, h, qlen, persistent=ps):
+            facts[(q, kv, h, qlen, ps)] = asm_kernel_served(rows, q, kv, h, qlen, persistent=ps,
+                                                            lse=True)
+    return facts
+
+
+def rows_from_facts(facts: dict[tuple, bool | None]) -> tuple[AsmKernelRow, ...]:
+    """The :class:`AsmKernelRow` rows of a fact map (:func:`asm_kernel_facts`'s form).
+
+    Query lengths served up to :data:`KERNEL_SET_MAX_QLEN` become ``qlens=None`` from the start
+    of that run; head counts with the same rows are grouped, and every count >= 16 of the
+    domain becomes ``heads=None``. ``asm_kernel_facts(rows_from_facts(f)) == f``.
+    """
+    big = tuple(h for h in KERNEL_SET_HEADS if h >= MIN_HEADS)
+    out = []
+    for (q, kv), ps in itertools.product(KERNEL_SET_DTYPES, (True, False)):
+        by_sig: dict[tuple, list[int]] = {}
+        for h in KERNEL_SET_HEADS:
+            served = {ql: facts[(q, kv, h, ql, ps)] for ql in range(1, KERNEL_SET_MAX_QLEN + 1)
+                      if (q, kv, h, ql, ps) in facts}
+            if not served:
+                continue
+            sig = []
+            for lse in sorted({v for v in served.values()}, key=repr):
+                qls = sorted(ql for ql, v in served.items() if v is lse)
+                tail = KERNEL_SET_MAX_QLEN + 1
+                while tail - 1 in qls:
+                    tail -= 1
+                head = tuple(ql for ql in qls if ql < tail)
+                if tail <= KERNEL_SET_MAX_QLEN:
+                    sig.append((None, tail, lse))
+                if head:
+                    sig.append((head, 1, lse))
+            by_sig.setdefault(tuple(sig), []).append(h)
+        for sig, hs in by_sig.items():
+            groups = [hs]
+            if set(big) <= set(hs):
+                groups = [None] + ([tuple(h for h in hs if h < MIN_HEADS)]
+                                   if len(hs) > len(big) else [])
+            for heads in groups:
+                for qlens, qmin, lse in sig:
+                    out.append(AsmKernelRow(q, kv, None if heads is None else tuple(heads),
+                                            qlens, ps, lse, qlen_min=qmin))
+    return tuple(out)
 
 
 def planner_natively_supported(arch: str, num_heads: int, q_dtype, kv_dtype,
@@ -377,26 +499,16 @@ def fold_ratio(arch: str, num_heads: int, q_dtype, kv_dtype, max_seqlen_qo: int)
     )
 
 
-def asm_kernel_available(arch: str, q_dtype, kv_dtype, num_heads: int, qlen: int, *,
-                         persistent: bool, lse: bool = False) -> bool | None:
-    """Whether an asm decode kernel serves this shape: ``True``, ``False`` or ``None`` (unknown).
-
-    ``num_heads`` is what the caller passes (the padded count); in persistent mode it is first
-    folded like AITER does. Non-persistent mode never folds.
-    """
-    q, kv = dtype_name(q_dtype), dtype_name(kv_dtype)
-    h = int(num_heads)
-    if persistent:
-        try:
-            ratio = fold_ratio(arch, h, q, kv, qlen)
-        except ValueError:
-            return False
-        h = 16 if ratio > 1 else h
+def asm_kernel_served(rows, q: str, kv: str, kernel_heads: int, qlen: int, *,
+                      persistent: bool, lse: bool = False) -> bool | None:
+    """Whether one of ``rows`` serves exactly this kernel shape (no folding): ``True``,
+    ``False`` or ``None`` (served, but its LSE support is unknown)."""
+    h = int(kernel_heads)
     best: bool | None = False
-    for row in ASM_KERNELS[arch_info(arch).name]:
+    for row in rows:
         if row.persistent != persistent or row.q != q or row.kv != kv:
             continue
-        if row.heads is None and h < 16:
+        if row.heads is None and h < MIN_HEADS:
             continue
         if row.heads is not None and h not in row.heads:
             continue
@@ -409,6 +521,27 @@ def asm_kernel_available(arch: str, q_dtype, kv_dtype, num_heads: int, qlen: int
         if row.lse is None:
             best = None
     return best
+
+
+def asm_kernel_available(arch: str, q_dtype, kv_dtype, num_heads: int, qlen: int, *,
+                         persistent: bool, lse: bool = False,
+                         kernels: AsmKernelSet | None = None) -> bool | None:
+    """Whether an asm decode kernel serves this shape: ``True``, ``False`` or ``None`` (unknown).
+
+    ``num_heads`` is what the caller passes (the padded count); in persistent mode it is first
+    folded like AITER does. Non-persistent mode never folds. ``kernels``: the kernel set to
+    consult (default: the static table of ``arch``).
+    """
+    q, kv = dtype_name(q_dtype), dtype_name(kv_dtype)
+    h = int(num_heads)
+    if persistent:
+        try:
+            ratio = fold_ratio(arch, h, q, kv, qlen)
+        except ValueError:
+            return False
+        h = 16 if ratio > 1 else h
+    kernels = resolve_kernel_set(arch, kernels)
+    return asm_kernel_served(kernels.rows, q, kv, h, qlen, persistent=persistent, lse=lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,6 +567,8 @@ class AiterRoute:
       dcp_world_size: ``N``.
       num_cu: CU count the persistent schedule is planned for.
       mtp_decode_qlen: ``K``, the largest qlen decode is handed (sizes the plan).
+      asm_kernels: the asm kernel set the route is checked against (:func:`check_route_kernels`):
+        the installed AITER's or the static table, with its source.
     """
 
     kind: str
@@ -449,6 +584,7 @@ class AiterRoute:
     dcp_world_size: int = 1
     num_cu: int = 0
     mtp_decode_qlen: int = 1
+    asm_kernels: AsmKernelSet | None = None
 
 
 def decide_route(*, arch: str, num_heads: int, qlen: int, q_dtype, kv_dtype,
@@ -469,6 +605,8 @@ def decide_route(*, arch: str, num_heads: int, qlen: int, q_dtype, kv_dtype,
       return_lse: ask the kernel for the LSE (default: ``dcp_world_size > 1``, as vLLM).
         Gluon returns one when asked (a later vLLM revision's fix: vLLM hands a DCP combine
         ``None`` there).
+      build: the AITER build; its ``asm_kernels`` (default: the static table of ``arch``) is the
+        kernel set the route carries and :func:`check_route_kernels` checks it against.
     """
     info = arch_info(arch)
     n = int(num_heads)
@@ -484,7 +622,8 @@ def decide_route(*, arch: str, num_heads: int, qlen: int, q_dtype, kv_dtype,
     q, kv = dtype_name(q_dtype), dtype_name(kv_dtype)
     cu = info.num_cu if num_cu is None else int(num_cu)
     common = dict(arch=arch, num_heads=n, qlen=qlen, return_lse=lse, q_dtype=q, kv_dtype=kv,
-                  dcp_world_size=dcp, num_cu=cu, mtp_decode_qlen=k)
+                  dcp_world_size=dcp, num_cu=cu, mtp_decode_qlen=k,
+                  asm_kernels=resolve_kernel_set(arch, build.asm_kernels))
 
     if use_gluon_decode(n, qlen, kv, arch=arch, build=build, mode=mode):
         return AiterRoute("gluon_decode", kernel_heads=n, persistent=False, zero_fill=False,
@@ -508,11 +647,12 @@ def decide_route(*, arch: str, num_heads: int, qlen: int, q_dtype, kv_dtype,
 
 
 def check_route_kernels(route: AiterRoute) -> None:
-    """Raise ``NotImplementedError`` where the kernel tables (docs/design.md §7.8) say AITER has
-    *no* kernel for the route.
+    """Raise ``NotImplementedError`` where the route's kernel set (``route.asm_kernels``: the
+    installed AITER's, else the static table, docs/design.md §7.8) has *no* kernel for it.
 
-    Unknown table entries pass (AITER itself is the judge there). Gluon and the segmented
-    kernel take any head count below 16 / any count respectively.
+    The message names the missing kernel (arch, dtypes, heads, qlen, persistent or not, LSE)
+    and the table that lacks it. Unknown table entries pass (AITER itself is the judge there).
+    Gluon and the segmented kernel take any head count below 16 / any count respectively.
     """
     if route.kind != "asm":
         if route.kind in ("gluon_decode", "gluon_verify") and route.kv_dtype == "fp8":
@@ -523,13 +663,33 @@ def check_route_kernels(route: AiterRoute) -> None:
             f"AITER's asm MLA decode takes a bf16 or fp8 query, got {route.q_dtype} (fp16 models "
             "fail the asm path in vLLM too)"
         )
+    kernels = resolve_kernel_set(route.arch, route.asm_kernels)
     ok = asm_kernel_available(route.arch, route.q_dtype, route.kv_dtype, route.kernel_heads,
-                              route.qlen, persistent=route.persistent, lse=route.return_lse)
-    if ok is False:
-        mode = "persistent" if route.persistent else "non-persistent"
-        raise NotImplementedError(
-            f"AITER on {route.arch} has no {mode} asm MLA decode kernel for q {route.q_dtype} / "
-            f"kv {route.kv_dtype}, {route.kernel_heads} heads, qlen {route.qlen}"
-            + (" that returns an LSE" if route.return_lse else "")
-            + " (docs/design.md §7.8); AITER would fail with 'cannot get heuristic kernel'"
-        )
+                              route.qlen, persistent=route.persistent, lse=route.return_lse,
+                              kernels=kernels)
+    if ok is not False:
+        return
+    mode = "persistent" if route.persistent else "non-persistent"
+    heads = f"{route.kernel_heads} heads"
+    if route.persistent:
+        try:
+            ratio = fold_ratio(route.arch, route.kernel_heads, route.q_dtype, route.kv_dtype,
+                               route.qlen)
+        except ValueError:
+            ratio = 1
+        if ratio > 1:
+            heads += f" (run as {ratio} 16-head pseudo-batches)"
+    why = "AITER would fail with 'cannot get heuristic kernel'"
+    if kernels.installed:
+        pinned = asm_kernel_available(route.arch, route.q_dtype, route.kv_dtype,
+                                      route.kernel_heads, route.qlen,
+                                      persistent=route.persistent, lse=route.return_lse)
+        if pinned is not False:
+            why += (f"; ROCm/aiter {AITER_COMMIT[:8]} has this kernel: the installed AITER's "
+                    "kernel set differs from the one jax_mla was written against")
+    raise NotImplementedError(
+        f"AITER on {route.arch} has no {mode} asm MLA decode kernel for q {route.q_dtype} / "
+        f"kv {route.kv_dtype}, {heads}, qlen {route.qlen}"
+        + (" that returns an LSE" if route.return_lse else "")
+        + f" in {kernels.source} (docs/design.md §7.8); {why}"
+    )

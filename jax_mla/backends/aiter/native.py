@@ -14,9 +14,11 @@ What happens once, at trace time, in Python: finding the installed AITER's ``hsa
 (:func:`kernel_table`: an install whose table does not have the columns and kernel-name form
 of the pinned commit is refused with :class:`AiterInstallError`), choosing the kernel by AITER's
 own rules (:func:`select_kernel`, a port of ``mla_decode_stage1_asm_fwd``'s key rewrite at the
-pinned commit) and registering the handlers. Nothing here runs per call: the custom call's
-attributes carry the ``.co`` path, the kernel name and the scalars, and every buffer (the
-persistent work-metadata pointer pair included) is an XLA operand or result, so no host sync.
+pinned commit) and registering the handlers. Once per installation, the same table becomes the
+kernel set routing checks against (:func:`installed_kernel_set`, read at plan build). Nothing
+here runs per call: the custom call's attributes carry the ``.co`` path, the kernel name and the
+scalars, and every buffer (the persistent work-metadata pointer pair included) is an XLA operand
+or result, so no host sync.
 
 ``backend.py`` uses this route on ROCm when :func:`unavailable_reason` is None and falls back to
 the Python bridge (``bridge.asm_decode``) otherwise, with one warning per process.
@@ -30,6 +32,7 @@ import ctypes
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import logging
 import os
 import re
@@ -49,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # The ROCm/aiter commit the argument block, the kernel table's form and the selection rules were
 # read from (csrc/py_itfs_cu/asm_mla.cu, hsa/gfx94{2}/gfx950/mla/mla_asm.csv, aiter/mla.py).
-AITER_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
+AITER_COMMIT = caps.AITER_COMMIT
 
 TARGET_NAME = "jax_mla_aiter_asm_mla"  # ROCm: initialize (load the .co) + execute (launch)
 PACK_TARGET_NAME = "jax_mla_aiter_asm_pack"  # CPU twin: writes the packed argument block
@@ -361,6 +364,92 @@ def select_kernel(table: KernelTable, **call) -> KernelChoice:
     raise NotImplementedError(
         f"AITER's kernel table {table.path} has no asm MLA decode kernel for {key} (AITER "
         "itself fails with 'cannot get heuristic kernel' here)")
+
+
+# --- the installed kernel set, for routing ---------------------------------------------------
+
+_KEY_COLUMNS = ("qType", "kvType", "Gqa", "ps", "qSeqLen", "prefill", "causal", "lse", "cprr")
+
+
+def _served(keys: frozenset, arch: str, q: str, kv: str, heads: int, qlen: int,
+            persistent: bool, lse: bool) -> bool:
+    """Whether a decode call finds a kernel among ``keys`` (AITER's lookup after its key
+    rewrite, :func:`kernel_key`; causal, no ``cprr``), read conservatively in two places:
+    a rewrite that drops ``ps`` (gfx942 bf16 128 heads, which AITER's persistent path folds to
+    16 first) is no persistent kernel, and a kernel built for ``qSeqLen`` query tokens serves
+    longer queries only when the rewrite hands it the head count in ``s_MQA`` (the generic
+    kernels): the split-KV bf16 16-head qseqlen8 kernel is not taken to serve qlen > 8."""
+    try:
+        key, _, s_mqa = kernel_key(arch=arch, q_type=q, kv_type=kv, gqa=heads, qlen=qlen,
+                                   persistent=persistent, lse=lse)
+    except NotImplementedError:
+        return False
+    if key["ps"] != int(persistent):
+        return False
+    if key["qSeqLen"] and qlen > key["qSeqLen"] and s_mqa == heads * qlen:
+        return False
+    return tuple(str(key[c]) for c in _KEY_COLUMNS) in keys
+
+
+def kernel_facts(table: KernelTable, arch: str) -> dict[tuple, bool]:
+    """``table``'s decode kernels as :func:`capabilities.asm_kernel_facts` states them:
+    ``{(q, kv, kernel heads, qlen, persistent): lse}`` over the same domain. Non-persistent
+    kernels always return an LSE (the Triton stage 2 computes it); a persistent one does when
+    the table has its ``lse=1`` variant."""
+    keys = frozenset(tuple(str(r.get(c) or 0) for c in _KEY_COLUMNS) for r in table.rows)
+    facts = {}
+    for (q, kv), ps, h, qlen in itertools.product(
+            caps.KERNEL_SET_DTYPES, (True, False), caps.KERNEL_SET_HEADS,
+            range(1, caps.KERNEL_SET_MAX_QLEN + 1)):
+        if _served(keys, arch, q, kv, h, qlen, ps, False):
+            facts[(q, kv, h, qlen, ps)] = _served(keys, arch, q, kv, h, qlen, ps, True)
+    return facts
+
+
+def kernel_set_from_table(table: KernelTable, arch: str) -> caps.AsmKernelSet:
+    """The :class:`capabilities.AsmKernelSet` of ``arch`` that ``table`` (its ``mla_asm.csv``)
+    provides, in the form of :data:`capabilities.ASM_KERNELS`."""
+    return caps.AsmKernelSet(caps.arch_info(arch).name,
+                             caps.rows_from_facts(kernel_facts(table, arch)),
+                             f"the installed AITER's {table.path}", installed=True)
+
+
+@functools.cache
+def _derived_kernel_set(path: str, arch: str) -> caps.AsmKernelSet:
+    kernels = kernel_set_from_table(_read_table(path), arch)
+    log.info("jax_mla: AITER's asm MLA decode on %s is routed by the installed kernel table %s",
+             arch, path)
+    return kernels
+
+
+_table_warned: set[str] = set()
+
+
+def installed_kernel_set(arch: str, base: str | None = None) -> caps.AsmKernelSet:
+    """The asm decode kernel set routing uses for ``arch``, derived once per installation.
+
+    From ``<base>/<arch>/mla/mla_asm.csv`` (``base`` default :func:`asm_dir`). Where no AITER
+    ``hsa`` directory is found (e.g. planning ahead of time on a CPU host), the static table
+    (:data:`capabilities.ASM_KERNELS`), and the set's ``source`` says so; where one is found
+    but its table for ``arch`` is missing or of another form, the static table too, with one
+    warning per table.
+    """
+    base = base or asm_dir()
+    if base is None:
+        return caps.static_kernel_set(arch, "no installed AITER hsa directory was found "
+                                            "(AITER_ASM_DIR, aiter_meta/hsa, aiter's hsa/)")
+    name = caps.arch_info(arch).name
+    path = os.path.join(base, name, "mla", "mla_asm.csv")
+    try:
+        return _derived_kernel_set(path, name)
+    except AiterInstallError as e:
+        if path not in _table_warned:
+            _table_warned.add(path)
+            msg = (f"jax_mla: routing AITER's asm MLA decode on {name} by the static table of "
+                   f"ROCm/aiter {AITER_COMMIT[:8]}, not the installed one: {e}")
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return caps.static_kernel_set(name, f"the installed table could not be read ({e})")
 
 
 # --- the handler library ----------------------------------------------------------------------

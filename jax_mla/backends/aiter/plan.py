@@ -1,16 +1,16 @@
 """The AITER backend's plan: the routing decision for one problem, with what it was made for.
 
-The route (``capabilities.decide_route``) depends on the arch, the installed AITER build, the
-device's CU count, the dtypes, head and query counts, DCP and the small-head mode. All of them
-are settled here, once, when the plan is built: detected from the device and the installed
-``aiter`` when not given (:func:`make_plan`), and carried as static data.
+The route (``capabilities.decide_route``) depends on the arch, the installed AITER build and
+its asm kernel set, the device's CU count, the dtypes, head and query counts, DCP and the
+small-head mode. All of them are settled here, once, when the plan is built: detected from the
+device and the installed AITER when not given (:func:`make_plan`), and carried as static data.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jax_mla.backends.aiter import bridge
+from jax_mla.backends.aiter import bridge, native
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.base import DecodePlan
 from jax_mla.problem import DecodeProblem
@@ -22,7 +22,8 @@ class AiterPlan(DecodePlan):
 
     Attributes (besides :class:`~jax_mla.backends.DecodePlan`'s):
       route: the routing decision (:class:`~.capabilities.AiterRoute`).
-      build: the AITER build it was decided for (detected, or given).
+      build: the AITER build it was decided for (detected, or given), with the asm kernel set
+        (``build.asm_kernels``, also ``route.asm_kernels``) the route was checked against.
       capacity_batch: the batch the persistent plan's buffers are sized for.
     """
 
@@ -72,9 +73,15 @@ def make_plan(name: str, problem: DecodeProblem, *, arch: str | None = None,
 
     Defaults, each settled now: ``arch`` and ``num_cu`` from the target device (off a ROCm
     device: ``detect_arch()`` and the arch's flagship CU count); ``build`` probed from the
-    installed ``aiter`` (AITER HEAD's capabilities when none is importable);
-    ``small_head_mode`` from ``JAX_MLA_AITER_SMALL_HEAD_MODE``; ``return_lse`` from the
-    problem, or DCP.
+    installed ``aiter`` (AITER HEAD's capabilities when none is importable); the build's asm
+    kernel set, unless it carries one (``build.asm_kernels``), derived from the installed
+    AITER's ``hsa/<arch>/mla/mla_asm.csv`` once per installation
+    (``native.installed_kernel_set``; the static table where none is found, and the set's
+    ``source`` says so); ``small_head_mode`` from ``JAX_MLA_AITER_SMALL_HEAD_MODE``;
+    ``return_lse`` from the problem, or DCP.
+
+    With ``check_kernels`` a route that kernel set has no kernel for raises
+    ``NotImplementedError`` naming the kernel (``capabilities.check_route_kernels``).
     """
     target = problem.target
     arch = resolve_arch(arch, target)
@@ -82,6 +89,8 @@ def make_plan(name: str, problem: DecodeProblem, *, arch: str | None = None,
         num_cu = target.num_cores
     if build is None:
         build = bridge.installed_build() if bridge.aiter_importable() else caps.DEFAULT_BUILD
+    if build.asm_kernels is None:
+        build = dataclasses.replace(build, asm_kernels=native.installed_kernel_set(arch))
     if return_lse is None and problem.return_lse:
         return_lse = True
     route = caps.decide_route(arch=arch, num_heads=problem.num_heads, qlen=problem.qlen,
