@@ -66,6 +66,19 @@ def test_manifest_is_valid_json_and_pinned():
         assert re.fullmatch(r"[0-9a-f]{40}", entry["last_commit"]), name
     for name, entry in data.get("attributes", {}).items():
         assert name.startswith("aiter.") and entry["file"].startswith("aiter/"), name
+    for name, entry in data.get("triton_kernels", {}).items():
+        assert name.startswith("aiter.") and entry["file"].startswith("aiter/"), name
+        assert entry["file"] == name.rsplit(".", 1)[0].replace(".", "/") + ".py", name
+        assert any(d.startswith("triton.jit") for d in entry["decorators"]), name
+        assert {"grid", "num_warps", "num_stages"} <= set(entry["launch"]), name
+        names = [p["name"] for p in entry["params"]]
+        assert len(set(names)) == len(names), name
+        for p in entry["params"]:
+            assert p["kind"] == "POSITIONAL_OR_KEYWORD", (name, p)
+            assert set(p) <= {"name", "kind", "annotation", "default"}, (name, p)
+            assert p.get("annotation", "constexpr") in ("constexpr", "int32", "int64"), (name, p)
+            if "default" in p:
+                ast.literal_eval(p["default"])
 
 
 def test_manifest_ships_with_the_package():
@@ -95,7 +108,8 @@ def test_standin_matches_the_manifest():
 
 def test_standin_files_are_where_aiter_has_them():
     # The stand-in mirrors AITER's defining files for the submodule functions we import by path.
-    for name, entry in manifest.load_manifest()["functions"].items():
+    data = manifest.load_manifest()
+    for name, entry in {**data["functions"], **data.get("triton_kernels", {})}.items():
         if name.count(".") > 1:  # aiter.<module path>.<function>
             path = os.path.join(STANDIN_DIR, *name.split(".")[:-1]) + ".py"
             assert entry["file"] == os.path.relpath(path, STANDIN_DIR).replace(os.sep, "/")
@@ -232,7 +246,7 @@ def _scan(tree):
 
 def _known(data):
     return set(data["functions"]) | set(data.get("attributes", {})) | set(
-        data.get("fallbacks", {}))
+        data.get("fallbacks", {})) | set(data.get("triton_kernels", {}))
 
 
 def _accepted(name, known):
@@ -270,7 +284,8 @@ def test_every_pinned_function_is_used():
     # No stale entries: each pinned function is referenced by our code.
     data = manifest.load_manifest()
     used = {name for _, tree in _sources() for name, _ in _scan(tree).refs}
-    stale = [n for n in [*data["functions"], *data.get("fallbacks", {})] if n not in used]
+    stale = [n for n in [*data["functions"], *data.get("fallbacks", {}),
+                         *data.get("triton_kernels", {})] if n not in used]
     assert not stale, stale
 
 

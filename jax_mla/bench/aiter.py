@@ -170,7 +170,7 @@ def decode_checks():
 @check("decode/segmented-dcp-verify")
 def segmented_check():
     import jax_mla
-    from jax_mla.backends.aiter import build_aiter_decode_metadata
+    from jax_mla.backends.aiter import build_aiter_decode_metadata, triton_kernels
     from jax_mla.dcp import dcp_local_seq_lens
 
     import oracle
@@ -186,8 +186,11 @@ def segmented_check():
         md = build_aiter_decode_metadata(table, local, page_size=PS, num_heads=heads, qlen=qlen,
                                          arch="gfx950", num_cu=8, dcp_world_size=n,
                                          dcp_rank=rank, dcp_tot_seq_lens=jnp.asarray(tot))
-        out, lse = jax_mla.mla_attention(q, cache, md, scale=192 ** -0.5, backend="aiter",
-                                         return_lse=True)
+        # The bridge (this checks it): by default the route launches AITER's Triton kernel
+        # through jax_mla's launcher (backends/aiter/triton_kernels.py).
+        with triton_kernels.use_bridge():
+            out, lse = jax_mla.mla_attention(q, cache, md, scale=192 ** -0.5, backend="aiter",
+                                             return_lse=True)
     row_lens = np.asarray(md.schedule.dcp_verify.row_lens)
     want, want_lse = oracle.mla_decode(_f32(q), _f32(cache), np.repeat(table, qlen, 0),
                                        row_lens, qlen=1, page_size=PS, scale=192 ** -0.5,

@@ -6,7 +6,11 @@
   exact consumer of its plans.
 - ``schedule.py``: the route's arrays and :func:`build_aiter_decode_metadata`.
 - ``segments.py``: the base-2 segment merge of the segmented DCP verify.
-- ``bridge.py``: the only module that imports ``aiter`` (lazily, at trace time).
+- ``bridge.py``: AITER's Python API through ``buffer_callback`` + torch (imports ``aiter``
+  lazily, at trace time).
+- ``triton_kernels.py``: AITER's segmented Triton decode kernel (the installed ``JITFunction``,
+  checked against the pinned JIT signature) launched by jax_mla's Triton launcher; imports it at
+  trace time. The bridge is its fallback.
 - ``native.py``: AITER's asm MLA decode ``.co`` kernels launched by jax_mla's FFI handler
   (``ffi/aiter_asm.cc``), no torch or Python per call; the bridge is its fallback.
 - ``backend.py``: :class:`AiterBackend`.

@@ -2,11 +2,13 @@
 
 The route (asm decode persistent or not, Gluon decode/verify, segmented DCP verify) is the
 plan's (:class:`~.plan.AiterPlan`), decided when the metadata is built; ``decode`` only reads it
-and calls the matching bridge (``bridge.py``, the only module that imports ``aiter``). On ROCm
-the asm route runs AITER's ``.co`` kernels through jax_mla's own FFI launcher (``native.py``)
+and calls the matching bridge (``bridge.py``; it and ``triton_kernels.py`` import ``aiter``). On
+ROCm the asm route runs AITER's ``.co`` kernels through jax_mla's own FFI launcher (``native.py``)
 when the library and the installed AITER's kernels are there, and falls back to the bridge
-(warned once) when not. Nothing here imports ``aiter``: the backend is available only on ROCm
-with ``aiter`` importable.
+(warned once) when not. The segmented DCP verify launches the installed AITER's Triton kernel
+through jax_mla's own Triton launcher (``triton_kernels.py``: the FFI launcher on ROCm, the
+interpreter on CPU) when it matches the pinned JIT signature, with the same bridge fallback.
+Nothing here imports ``aiter``: the backend is available only on ROCm with ``aiter`` importable.
 
 Head padding is route-dependent (asm pads to the kernel's head count, Gluon and segmented do
 not), so plans keep the real count and the bridge pads and unpads around each kernel call with
@@ -21,7 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_mla import heads as _heads
-from jax_mla.backends.aiter import bridge, native
+from jax_mla.backends.aiter import bridge, native, triton_kernels
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.plan import AiterPlan, make_plan
 from jax_mla.backends.aiter.schedule import VIEWS, build_schedule
@@ -119,8 +121,8 @@ class AiterBackend(Backend):
             out, lse = bridge.gluon_decode(q, kv_cache, metadata, route, sched, scale=scale,
                                            kv_scale=kv_scale)
         else:
-            out, lse = bridge.segmented_dcp_verify(q, kv_cache, route, sched, scale=scale,
-                                                   q_scale=q_scale, kv_scale=kv_scale)
+            out, lse = self._segmented_verify(q, kv_cache, plan, sched, scale=scale,
+                                              q_scale=q_scale, kv_scale=kv_scale)
         # jax_mla's contract: a row that sees no KV gives out 0 and lse -inf (AITER's reducer
         # reports +inf for such rows and kernels may leave garbage there).
         seen = self._rows_seeing_kv(metadata, route, sched)
@@ -145,6 +147,24 @@ class AiterBackend(Backend):
                     reason = str(e)
             native.warn_fallback(reason)
         return bridge.asm_decode(q, kv_cache, md, route, sched, **kw)
+
+    @staticmethod
+    def _segmented_verify(q, kv_cache, plan, sched, **kw):
+        """The segmented DCP verify: the installed AITER's Triton kernel launched by jax_mla
+        (``triton_kernels.py``: the FFI launcher on ROCm, the interpreter on CPU) when it is
+        there and matches the pinned JIT signature, else the Python bridge (warned once per
+        process)."""
+        route, target = plan.route, plan.problem.target
+        if not triton_kernels.bridge_requested():
+            reason = triton_kernels.unavailable_reason(target, route.arch)
+            if reason is None:
+                try:
+                    return triton_kernels.segmented_dcp_verify(q, kv_cache, route, sched,
+                                                               target=target, **kw)
+                except triton_kernels.KernelUnavailable as e:
+                    reason = str(e)
+            native.warn_fallback(reason, triton_kernels.FALLBACK_WHAT)
+        return bridge.segmented_dcp_verify(q, kv_cache, route, sched, **kw)
 
     @staticmethod
     def _rows_seeing_kv(md, route, sched):
@@ -187,9 +207,12 @@ class AiterBackend(Backend):
                   and (not fp8_in or jnp.dtype(q.dtype) == caps.fp8_dtype(arch)))
         live = jnp.arange(q.shape[0], dtype=jnp.int32) < cu_q[-1]  # rows past cu_q[-1]: padding
         if use_ps:
+            # AITER plans for the device's CUs; off ROCm, for the arch's flagship part.
             out = bridge.fp8_prefill(q, k, v, cu_q, max_query_len=max_seqlen, scale=scale,
                                      arch=arch, q_scale=q_scale, k_scale=k_scale,
-                                     v_scale=v_scale)
+                                     v_scale=v_scale,
+                                     num_cu=target.num_cores if target.platform == "rocm"
+                                     else None)
             return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), None
         q, k, v = dequantize_qkv(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                  dtype=jnp.bfloat16)

@@ -1,4 +1,5 @@
-"""The one module that talks to AITER: XLA custom calls into AITER's Python API.
+"""XLA custom calls into AITER's Python API (``triton_kernels.py`` launches AITER's segmented
+Triton kernel without it; this module is that route's fallback).
 
 Each kernel family is a ``jax.experimental.buffer_callback`` (custom call
 ``xla_buffer_python_gpu_callback`` on ROCm/CUDA, its CPU twin on CPU) whose Python body wraps
@@ -15,9 +16,10 @@ backend does. The traps of ``buffer_callback`` with torch, and how they are hand
   copied into XLA's output buffers before the callback returns.
 - **Memory.** torch allocates beside XLA's preallocated pool: set
   ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. 0.5) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``.
-- Not command-buffer compatible: AITER allocates per call (and the PS prefill planner is a host
-  algorithm). Each call costs a Python round trip on the host (``python -m jax_mla.bench.aiter``
-  measures it with the stand-in on a CUDA GPU).
+- Not command-buffer compatible: AITER allocates per call (the PS prefill's plan no longer
+  comes from AITER's host planner: it is computed on the device, ``ps_planner``). Each call
+  costs a Python round trip on the host (``python -m jax_mla.bench.aiter`` measures it with the
+  stand-in on a CUDA GPU).
 
 Head padding and unpadding happen in jnp around each call with vLLM's maps
 (``jax_mla.heads``); the callbacks see exactly the tensors vLLM hands AITER.
@@ -400,7 +402,7 @@ def aiter_mla_metadata(md):
 
 
 def fp8_prefill(q, k, v, query_start_loc, *, max_query_len: int, scale: float, arch: str,
-                q_scale=None, k_scale=None, v_scale=None):
+                q_scale=None, k_scale=None, v_scale=None, num_cu: int | None = None):
     """vLLM's ``_mla_fp8_prefill_attn``: fp8 PS asm prefill + ``mla_reduce_v1`` (gfx950).
 
     Args:
@@ -410,55 +412,50 @@ def fp8_prefill(q, k, v, query_start_loc, *, max_query_len: int, scale: float, a
       max_query_len: static bound on a request's query length.
       q_scale, k_scale, v_scale: per-tensor float32 dequantisation multipliers of fp8 inputs
         (default 1.0).
+      num_cu: CU count the PS plan is made for (AITER's host planner uses the device's; the
+        kernel's grid is the plan's). Default: ``arch``'s flagship part.
     Returns ``out [T, H, V]`` in q's dtype (bf16 for fp8 q).
 
     Heads pad to ``ceil(H/16)*16`` with vLLM's maps (exact: padded head j duplicates a real
     one in q, k and v alike); 16-bit q, k, v are cast to the arch's fp8 with unit scales, as
-    vLLM does. AITER's PS planner is a host algorithm: it runs inside the callback (a
-    device->host copy per call; vLLM runs it once per step at build time).
+    vLLM does. The PS plan is AITER's ``get_ps_metadata_v1`` computed on the device in jnp
+    (``ps_planner.plan_ps_prefill``, bit-exact with AITER's host planner) and handed to the
+    callback with ``kv_indices`` and the partial/LSE scratch as XLA buffers: no host sync and
+    no allocation in the callback.
     """
+    from jax_mla.backends.aiter import ps_planner
+
     t, h, dqk = q.shape
     dv = v.shape[-1]
     hp = caps.fp8_prefill_num_heads(h)
     f8 = caps.fp8_dtype(arch)
     qp, kp, vp = (_heads.pad_heads(x, h, hp).astype(f8) for x in (q, k, v))
     out_dt = out_dtype(q.dtype)
-    b = query_start_loc.shape[0] - 1
     tile = FP8_PREFILL_TILE_Q
+    qsl = query_start_loc.astype(jnp.int32)
+    plan = ps_planner.plan_ps_prefill(qsl, num_heads=hp, max_qlen=max_query_len,
+                                      num_cu=num_cu, arch=arch, qlen_granularity=tile)
+    rows = plan.scratch_rows  # static: enough for any plan of these sizes
+    shapes = [jax.ShapeDtypeStruct((t, hp, dv), out_dt),
+              jax.ShapeDtypeStruct((rows, hp, dv), jnp.float32),  # logits (partials)
+              jax.ShapeDtypeStruct((rows, hp), jnp.float32),  # attn_lse (partials)
+              jax.ShapeDtypeStruct((t, hp), jnp.float32)]  # final_lse (unused)
 
-    def callback(ctx, outs, qb, kb, vb, qsl, qs, ks, vs):
+    def callback(ctx, outs, qb, kb, vb, qo, kvi, wp, wi, ri, rf, rp, qs, ks, vs):
         o_x = _t(outs[0])
         with _stream_ctx(ctx, o_x):
-            torch = _torch()
             aiter = _aiter()
-            dev = o_x.device
-            qo = _t(qsl)
-            qo_cpu = qo.cpu()  # the host planner reads host copies (vLLM: qsl_cpu)
-            info = aiter.get_ps_metadata_info_v1(batch_size=b, num_head_k=hp,
-                                                 max_qlen=max_query_len, qlen_granularity=tile)
-            bufs = [torch.empty(s, dtype=dt, device=dev) for s, dt in info]
-            meta, w_indptr, w_info, r_indptr, r_final, r_partial = bufs
-            aiter.get_ps_metadata_v1(qo_cpu, qo_cpu, qo_cpu[1:] - qo_cpu[:-1], 1, hp, meta,
-                                     w_indptr, w_info, r_indptr, r_final, r_partial,
-                                     qhead_granularity=1, qlen_granularity=tile,
-                                     kvlen_granularity=128, block_size=1, is_causal=True)
-            num_partial_tiles = int(r_indptr[-1].item())
-            logits = torch.empty((num_partial_tiles * tile, hp, dv), dtype=torch.float32,
-                                 device=dev)
-            attn_lse = torch.empty((num_partial_tiles * tile, hp), dtype=torch.float32,
-                                   device=dev)
-            final_lse = torch.empty((t, hp), dtype=torch.float32, device=dev)
-            kv_indices = torch.arange(t, dtype=torch.int32, device=dev)
-            aiter.mla_prefill_ps_asm_fwd(_t(qb), _t(kb), _t(vb), qo, qo, kv_indices, w_indptr,
-                                         w_info, max_query_len, scale, True, logits, attn_lse,
+            logits, attn_lse, final_lse = (_t(o) for o in outs[1:])
+            qo_t = _t(qo)
+            aiter.mla_prefill_ps_asm_fwd(_t(qb), _t(kb), _t(vb), qo_t, qo_t, _t(kvi), _t(wp),
+                                         _t(wi), max_query_len, scale, True, logits, attn_lse,
                                          o_x, _t(qs), _t(ks), _t(vs))
             # num_kv_splits=0: "auto" (the CU count), as vLLM passes after ROCm/aiter#3391.
-            aiter.mla_reduce_v1(logits, attn_lse, r_indptr, r_final, r_partial, tile, 0, o_x,
+            aiter.mla_reduce_v1(logits, attn_lse, _t(ri), _t(rf), _t(rp), tile, 0, o_x,
                                 final_lse)
 
-    (out,) = _call(callback, [jax.ShapeDtypeStruct((t, hp, dv), out_dt)], qp, kp, vp,
-                   query_start_loc.astype(jnp.int32), _scalar(q_scale), _scalar(k_scale),
-                   _scalar(v_scale))
+    out = _call(callback, shapes, qp, kp, vp, qsl, jnp.arange(t, dtype=jnp.int32),
+                *plan.arrays(), _scalar(q_scale), _scalar(k_scale), _scalar(v_scale))[0]
     return _heads.unpad_heads(out, h, hp)
 
 

@@ -5,7 +5,10 @@
 we call it by, the defining file, and each parameter's name, order, kind and default (the
 ``repr`` of the default value; ``default_expr`` keeps the source expression where it is not a
 literal). AITER's compiled ops (``@compile_ops`` stubs such as ``mla_reduce_v1``) are recorded
-from their Python stubs, which is what ``aiter.<op>`` accepts.
+from their Python stubs, which is what ``aiter.<op>`` accepts. AITER's Triton kernels that jax_mla
+launches itself (``triton_kernels``) are recorded by their JIT parameter list: names, order,
+``tl.constexpr`` or scalar-type annotations and defaults (:func:`jit_param_facts`,
+:func:`check_triton_kernel`), with the facts of how AITER launches them.
 
 :func:`check_module` compares a module tree (the test stand-in, or a real ``aiter``) with it;
 :func:`check_installed` does so for the ``aiter`` importable now. Nothing here imports torch or
@@ -165,6 +168,60 @@ def compare_params(name: str, pinned: list[dict], found: list[dict]) -> list[str
 
 
 # ---------------------------------------------------------------------------------------------
+# Triton kernels: the JIT parameter list
+
+
+def _annotation_name(a) -> str:
+    """``constexpr``, a Triton scalar type's name (``int64``), or "" (none); without importing
+    triton: ``tl.constexpr`` is a class of that name, ``tl.int64`` a ``dtype`` with a name."""
+    if a is inspect.Parameter.empty or a is None:
+        return ""
+    if isinstance(a, str):
+        return a.rsplit(".", 1)[-1]
+    if isinstance(a, type):
+        return a.__name__
+    name = getattr(a, "name", None)
+    return name if isinstance(name, str) else repr(a)
+
+
+def jit_param_facts(kernel) -> list[dict] | None:
+    """``[{name, kind, annotation?, default?}]`` of a ``@triton.jit`` function (a compiling
+    ``JITFunction`` or the interpreter's ``InterpretedFunction``: both keep the Python function
+    as ``.fn``); None when ``kernel`` is not one."""
+    fn = getattr(kernel, "fn", None)
+    if not callable(fn) or not hasattr(kernel, "__getitem__"):
+        return None
+    facts = signature_facts(fn)
+    if facts is None:
+        return None
+    params = inspect.signature(fn).parameters
+    for fact in facts:
+        ann = _annotation_name(params[fact["name"]].annotation)
+        if ann:
+            fact["annotation"] = ann
+    return facts
+
+
+def check_triton_kernel(name: str, kernel, manifest: dict | None = None) -> list[str]:
+    """Mismatches between the pinned JIT parameter list of ``name`` (a ``triton_kernels``
+    entry) and ``kernel``'s: names and order, kinds, defaults, and which parameters are
+    ``tl.constexpr`` or typed scalars. ``[]`` when they agree."""
+    entry = (manifest or load_manifest())["triton_kernels"][name]
+    found = jit_param_facts(kernel)
+    if found is None:
+        return [f"{name}: not a Triton JIT function ({type(kernel).__name__})"]
+    problems = compare_params(name, entry["params"], found)
+    by_name = {p["name"]: p for p in found}
+    for p in entry["params"]:
+        q = by_name.get(p["name"])
+        if q is not None and p.get("annotation", "") != q.get("annotation", ""):
+            problems.append(f"{name}: parameter {p['name']!r} annotation differs: pinned "
+                            f"{p.get('annotation') or 'none'}, found "
+                            f"{q.get('annotation') or 'none'}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
 # Checking a module tree
 
 
@@ -203,8 +260,9 @@ def _source_root(root) -> str | None:
 
 def check_module(root_module, manifest: dict | None = None) -> list[str]:
     """Mismatches between the module tree under ``root_module`` (imported as ``aiter``) and the
-    manifest: a missing function or attribute, parameter names/order, kinds, or defaults that
-    differ. Each message names the function and the difference; ``[]`` when all agree.
+    manifest: a missing function, Triton kernel or attribute, parameter names/order, kinds,
+    defaults (or, for a Triton kernel, constexpr/type annotations) that differ. Each message
+    names the function and the difference; ``[]`` when all agree.
 
     A live signature that is only ``(*args, **kwargs)`` (AITER wraps its ctypes ops so) is read
     from the ``def`` in the module's source file instead. Fallback entries (names the bridge
@@ -236,6 +294,12 @@ def check_module(root_module, manifest: dict | None = None) -> list[str]:
 
     for name, entry in manifest["functions"].items():
         check(name, entry)
+    for name in manifest.get("triton_kernels", {}):
+        obj, why = _resolve(root_module, name)
+        if obj is _MISSING:
+            problems.append(f"{name}: missing ({why})")
+        else:
+            problems.extend(check_triton_kernel(name, obj, manifest))
     for name in manifest.get("attributes", {}):
         obj, why = _resolve(root_module, name)
         if obj is _MISSING:

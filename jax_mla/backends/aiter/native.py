@@ -534,12 +534,13 @@ def unavailable_reason(arch: str) -> str | None:
 _warned: set[str] = set()
 
 
-def warn_fallback(reason: str) -> None:
-    """Say once per process that the asm decode runs through the Python bridge, and why."""
-    if "fallback" in _warned:
+def warn_fallback(reason: str, what: str = "asm MLA decode") -> None:
+    """Say once per process (per kernel family ``what``) that AITER's ``what`` runs through the
+    Python bridge, and why. Also used by the segmented verify (``triton_kernels.py``)."""
+    if what in _warned:
         return
-    _warned.add("fallback")
-    msg = (f"jax_mla: AITER's asm MLA decode runs through the Python bridge (a host round trip "
+    _warned.add(what)
+    msg = (f"jax_mla: AITER's {what} runs through the Python bridge (a host round trip "
            f"per call, no command buffers) because the native launcher is unavailable: {reason}")
     log.warning(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
-from .. import _metadata_ref, dtypes
+from .. import _metadata_ref, _ps_metadata_ref, dtypes
 from .._standin import (
     attend,
     dequant,
@@ -166,63 +165,12 @@ def get_ps_metadata_info_v1(batch_size, num_head_k, max_qlen, qlen_granularity=2
             (tiles + 1, torch.int32), ((tiles, 2), torch.int32), (max_partials, torch.int32))
 
 
-def _ps_cluster(qo, kvp, ctx, num_heads_k, qhead_gran, qlen_gran, kvlen_gran, block_size,
-                is_causal, work_indptr, work_info, tgs, cluster_id, work_idx):
-    """``kn_generate_ps_metadata`` (csrc/kernels/mla/metadata/v1_2_host.cuh), line by line."""
-    bpu = kvlen_gran // block_size
-    tiles, total = [], 0
-    for b in range(len(qo) - 1):
-        qlen, kvlen = qo[b + 1] - qo[b], ctx[b]
-        ranges = [(s, min(s + qlen_gran, qlen)) for s in range(0, qlen, qlen_gran)]
-        for i in range(len(ranges)):
-            idx = i // 2 if i % 2 == 0 else len(ranges) - 1 - i // 2  # ping-pong order
-            lo, hi = ranges[idx]
-            eff = min(kvlen - qlen + hi, kvlen) if is_causal else kvlen
-            units = -(-eff // kvlen_gran)
-            tiles.append((b, lo + qo[b], hi + qo[b], units * bpu, eff))
-            total += units
-    avg, rem = total // tgs, total % tgs
-    tile_i = blk = part = 0
-    for tg in range(tgs):
-        for kh_off in range(num_heads_k):
-            kh = cluster_id * num_heads_k + kh_off
-            rng = ((kh + 1) * qhead_gran << 16) | ((kh * qhead_gran) & 0xFFFF)
-            saved = (tile_i, blk, part)
-            cap = (avg + 1) * bpu if tg < rem else avg * bpu
-            while tile_i < len(tiles) and cap > 0:
-                b, qs, qe, nblk, eff = tiles[tile_i]
-                remaining = nblk - blk
-                rem_len = eff - blk * block_size
-                ks = blk + kvp[b]
-                if rem_len <= cap * block_size:
-                    consume = remaining
-                    ploc = -1 if blk == 0 else qlen_gran * part
-                    part += blk != 0
-                    ke = min(ks + consume, kvp[b + 1])
-                    work_info[work_idx] = (b, ploc, qs, qe, ks, ke, 0, rng)
-                    tile_i, blk = tile_i + 1, 0
-                else:
-                    consume = cap
-                    ploc = qlen_gran * part
-                    part += 1
-                    ke = min(ks + consume, kvp[b + 1])
-                    work_info[work_idx] = (b, ploc, qs, qe, ks, ke,
-                                           ctx[b] - (ke - kvp[b]) * block_size, rng)
-                    blk += consume
-                work_idx += 1
-                cap -= consume
-            if kh_off != num_heads_k - 1:
-                tile_i, blk, part = saved
-        work_indptr[cluster_id * tgs + tg + 1] = work_idx
-    return work_idx
-
-
 def get_ps_metadata_v1(seqlens_qo_indptr, pages_kv_indptr, context_lens, gqa_ratio,
                        num_heads_k, work_metadata_ptrs, work_indptr, work_info,
                        reduce_indptr, reduce_final_map, reduce_partial_map,
                        qhead_granularity=1, qlen_granularity=256, kvlen_granularity=16,
                        block_size=16, is_causal=True):
-    """AITER's *host* PS planner (``get_ps_metadata_v1_2_host``), ported."""
+    """AITER's *host* PS planner: the statement-by-statement port in ``_ps_metadata_ref``."""
     record("get_ps_metadata_v1", gqa_ratio=gqa_ratio, num_heads_k=num_heads_k,
            qhead_granularity=qhead_granularity, qlen_granularity=qlen_granularity,
            kvlen_granularity=kvlen_granularity, block_size=block_size, is_causal=is_causal)
@@ -235,34 +183,17 @@ def get_ps_metadata_v1(seqlens_qo_indptr, pages_kv_indptr, context_lens, gqa_rat
         expect(t, name, dtypes.i32, ndim=1)
     expect(work_info, "work_info", dtypes.i32, shape=(None, 8))
     expect(reduce_final_map, "reduce_final_map", dtypes.i32, shape=(None, 2))
-    qo, kvp, ctx = ints(seqlens_qo_indptr), ints(pages_kv_indptr), ints(context_lens)
-    tgs_total = get_cu_num()
-    clusters = math.gcd(num_heads_k, tgs_total)
-    tgs = tgs_total // clusters
-    wi = np.zeros((work_info.shape[0], 8), np.int64)
-    wp = np.zeros(work_indptr.numel(), np.int64)
-    for c in range(clusters):
-        _ps_cluster(qo, kvp, ctx, num_heads_k // clusters, qhead_granularity, qlen_granularity,
-                    kvlen_granularity, block_size, is_causal, wp, wi, tgs, c, int(wp[c * tgs]))
-    actual = int(wp[-1])
-    groups: dict[tuple[int, int], set[int]] = {}
-    for w in range(actual):
-        if wi[w, 1] != -1:
-            groups.setdefault((int(wi[w, 2]), int(wi[w, 3])), set()).add(int(wi[w, 1]))
-    ri = np.zeros(reduce_indptr.numel(), np.int64)
-    fm = np.zeros((reduce_final_map.shape[0], 2), np.int64)
-    pm = np.zeros(reduce_partial_map.numel(), np.int64)
-    fi = pi = 0
-    for key in sorted(groups):
-        locs = sorted(groups[key])
-        ri[fi + 1] = ri[fi] + len(locs)
-        fm[fi] = key
-        pm[pi:pi + len(locs)] = locs
-        fi, pi = fi + 1, pi + len(locs)
-    ri[fi:] = pi
-    for t, a in ((work_indptr, wp), (work_info, wi), (reduce_indptr, ri),
-                 (reduce_final_map, fm), (reduce_partial_map, pm)):
-        t.copy_(torch.from_numpy(a.astype(np.int32)).reshape(t.shape))
+    out = _ps_metadata_ref.get_ps_metadata_v1_2_host(
+        ints(seqlens_qo_indptr), ints(pages_kv_indptr), ints(context_lens), gqa_ratio,
+        num_heads_k, work_indptr.numel(), work_info.shape[0], reduce_indptr.numel(),
+        reduce_final_map.shape[0], reduce_partial_map.numel(), qhead_granularity,
+        qlen_granularity, kvlen_granularity, block_size, is_causal,
+        available_tgs=get_cu_num())
+    # AITER copies its whole zero-initialised host vectors back (tails included).
+    for t, name in ((work_indptr, "work_indptr"), (work_info, "work_info"),
+                    (reduce_indptr, "reduce_indptr"), (reduce_final_map, "reduce_final_map"),
+                    (reduce_partial_map, "reduce_partial_map")):
+        t.copy_(torch.from_numpy(out[name]).reshape(t.shape))
 
 
 def mla_prefill_ps_asm_fwd(Q, K, V, qo_indptr, kv_indptr, kv_page_indices, work_indptr,

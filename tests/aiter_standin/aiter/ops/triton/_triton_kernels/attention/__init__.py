@@ -1,0 +1,1 @@
+"""aiter.ops.triton._triton_kernels.attention (stand-in)."""
