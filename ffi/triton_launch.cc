@@ -16,6 +16,7 @@
 
 #include <dlfcn.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -45,6 +46,9 @@ struct Driver {
                           unsigned by, unsigned bz, unsigned shared, void* stream,
                           void** params, void** extra) = nullptr;
   Result (*func_set_attribute)(void* function, int attribute, int value) = nullptr;
+  // CUDA 12+: a launch with attributes, for programmatic dependent launch (optional).
+  Result (*launch_kernel_ex)(const void* config, void* function, void** params,
+                             void** extra) = nullptr;
   // Making the device's context current for a module load (CUDA: the stream's context; HIP:
   // the device ordinal), whatever thread XLA calls the initialize stage from.
   Result (*stream_get_ctx)(void* stream, void** ctx) = nullptr;
@@ -107,6 +111,7 @@ const Driver& GetDriver(bool hip) {
       Load(lib, "cuCtxPushCurrent_v2", &d.ctx_push, &missing);
       Load(lib, "cuCtxPopCurrent_v2", &d.ctx_pop, &missing);
       std::string optional;
+      Load(lib, "cuLaunchKernelEx", &d.launch_kernel_ex, &optional);
       Load(lib, "cuDeviceGet", &d.device_get, &optional);
       Load(lib, "cuDeviceGetAttribute", &d.device_get_attribute, &optional);
     }
@@ -143,7 +148,30 @@ struct Launch {
   int32_t shared_bytes;
   int32_t hidden_params;
   std::string_view target;
+  int32_t pdl;  // 1: programmatic dependent launch (the kernel waits on its predecessor itself)
 };
+
+// cuLaunchKernelEx's configuration, as cuda.h lays it out (CUDA 12.0+): one launch attribute,
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, whose value union is 64 bytes.
+struct CuLaunchAttribute {
+  int32_t id;
+  char pad[8 - sizeof(int32_t)];
+  union {
+    char bytes[64];
+    int32_t programmatic_stream_serialization_allowed;
+  } value;
+};
+struct CuLaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+  void* stream;
+  CuLaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+static_assert(sizeof(CuLaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes in cuda.h");
+static_assert(offsetof(CuLaunchConfig, stream) == 32 && offsetof(CuLaunchConfig, attrs) == 40 &&
+                  sizeof(CuLaunchConfig) == 56,
+              "CUlaunchConfig's layout in cuda.h");
+constexpr int32_t kProgrammaticStreamSerialization = 6;
 
 // Functions by (device ordinal, binary hash, kernel name), loaded once into the device's
 // current context (XLA makes it current before it calls a handler).
@@ -242,9 +270,24 @@ ffi::Error Execute(bool hip, void* stream, int32_t device, ffi::RemainingArgs ar
   if (ptrs.has_error()) return ptrs.error();
   std::vector<void*> params(ptrs->size());
   for (size_t i = 0; i < ptrs->size(); ++i) params[i] = &(*ptrs)[i];
-  if (Result r = d.launch_kernel(*function, l.grid[0], l.grid[1], l.grid[2], l.block_threads,
-                                 1, 1, l.shared_bytes, stream, params.data(), nullptr);
-      r != 0) {
+  Result r = 0;
+  if (l.pdl != 0 && d.launch_kernel_ex != nullptr) {
+    // The kernel may start before its predecessor on the stream ends: it waits for it
+    // (griddepcontrol.wait) before touching memory, so only the launch latency overlaps.
+    CuLaunchAttribute attr{};
+    attr.id = kProgrammaticStreamSerialization;
+    attr.value.programmatic_stream_serialization_allowed = 1;
+    CuLaunchConfig config{static_cast<unsigned>(l.grid[0]), static_cast<unsigned>(l.grid[1]),
+                          static_cast<unsigned>(l.grid[2]), static_cast<unsigned>(l.block_threads),
+                          1, 1, static_cast<unsigned>(l.shared_bytes), stream, &attr, 1};
+    r = d.launch_kernel_ex(&config, *function, params.data(), nullptr);
+  } else {
+    // ROCm, or a driver without cuLaunchKernelEx: an ordinary launch (the kernel's wait is
+    // then a no-op).
+    r = d.launch_kernel(*function, l.grid[0], l.grid[1], l.grid[2], l.block_threads, 1, 1,
+                        l.shared_bytes, stream, params.data(), nullptr);
+  }
+  if (r != 0) {
     return ffi::Error::Internal("jax_mla: launching " + std::string(l.name) + " failed (" +
                                 d.Describe(r) + ")");
   }
@@ -261,8 +304,9 @@ ffi::Error Initialize(bool hip, void* stream, int32_t device, const Launch& l) {
 #define JAX_MLA_LAUNCH_ATTR_PARAMS                                                      \
   std::string_view name, ffi::Span<const uint8_t> binary, int64_t hash, int32_t gx,      \
       int32_t gy, int32_t gz, int32_t threads, int32_t shared, int32_t hidden,           \
-      std::string_view target
-#define JAX_MLA_LAUNCH_ATTR_ARGS name, binary, hash, gx, gy, gz, threads, shared, hidden, target
+      std::string_view target, int32_t pdl
+#define JAX_MLA_LAUNCH_ATTR_ARGS \
+  name, binary, hash, gx, gy, gz, threads, shared, hidden, target, pdl
 
 template <typename Binding>
 auto BindLaunchAttrs(Binding binding) {
@@ -276,7 +320,8 @@ auto BindLaunchAttrs(Binding binding) {
       .template Attr<int32_t>("block_threads")
       .template Attr<int32_t>("shared_bytes")
       .template Attr<int32_t>("hidden_params")
-      .template Attr<std::string_view>("target");
+      .template Attr<std::string_view>("target")
+      .template Attr<int32_t>("pdl");
 }
 
 template <typename Binding>
@@ -289,7 +334,7 @@ auto BindLaunch(Binding binding) {
 }
 
 Launch MakeLaunch(JAX_MLA_LAUNCH_ATTR_PARAMS) {
-  return Launch{name, binary, hash, {gx, gy, gz}, threads, shared, hidden, target};
+  return Launch{name, binary, hash, {gx, gy, gz}, threads, shared, hidden, target, pdl};
 }
 
 // The two stages, for CUDA (kHip false) and ROCm (kHip true).

@@ -411,6 +411,28 @@ res["reduce"] = dict(params=len(kb.params), hidden=kb.hidden_params,
                      ptx_params=entry.count(".param"), from_disk=again == kb,
                      threads=kb.threads)
 
+# Programmatic dependent launch: the decode and reduce calls of a Hopper plan carry pdl = 1 (and
+# binaries that wait on their predecessor), the planning kernel and every ROCm call pdl = 0.
+pdl = {}
+for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
+                         ("rocm", Target("rocm", "gfx942", 304))):
+    for on in (False, True):
+        tun = TritonTuning(launcher="ffi", planner="kernel", pdl=on)
+
+        def step(q, cache, bt, lens, tun=tun, target=target):
+            md = jax_mla.build_decode_metadata(
+                bt, lens, page_size=PS, num_heads=16, q=q, kv_cache=cache, backend="triton",
+                target=target, tuning=tun)
+            return jax_mla.mla_attention(q, cache, md, scale=0.1, backend="triton")
+
+        text = jax.jit(step).trace(q[:, :16], cache, bt, lens).lower(
+            lowering_platforms=(platform,)).as_text()
+        calls = [l for l in text.splitlines() if "custom_call" in l]
+        pdl[f"{platform}/{on}"] = dict(
+            flags=[int(re.search(r"pdl = (\d+)", l).group(1)) for l in calls],
+            hashes=[re.search(r"binary_hash = (-?\d+)", l).group(1) for l in calls])
+res["pdl"] = pdl
+
 # Too much shared memory for the target: a clear error at trace time.
 try:
     tun = TritonTuning(launcher="ffi", planner="jnp", block_n=64, num_stages=3)
@@ -457,6 +479,12 @@ def test_a_decode_step_lowers_to_our_ffi_calls_only_for_cuda_and_rocm(tmp_path):
     assert r["shared_error"] and "gfx942" in r["shared_error"] and "65536" in r[
         "shared_error"], r["shared_error"]
     assert any(p.suffix == ".bin" for p in tmp_path.rglob("*")), "nothing cached on disk"
+    pdl = r["pdl"]
+    assert pdl["cuda/False"]["flags"] == [0, 0, 0] and pdl["rocm/False"]["flags"] == [0, 0, 0]
+    assert pdl["rocm/True"] == pdl["rocm/False"], pdl  # no PDL on ROCm: the same binaries
+    assert pdl["cuda/True"]["flags"] == [0, 1, 1], pdl  # plan, decode, reduce
+    on, off = pdl["cuda/True"]["hashes"], pdl["cuda/False"]["hashes"]
+    assert on[0] == off[0] and on[1] != off[1] and on[2] != off[2], pdl
 
 
 @pytest.mark.gpu
@@ -489,3 +517,10 @@ def test_ffi_and_jax_triton_launchers_agree_on_the_gpu(rng):
         assert rel_err(outs[launcher], ref) < 1e-2, launcher
     if len(outs) == 2:
         np.testing.assert_array_equal(outs["ffi"], outs["jax_triton"])
+
+
+def test_programmatic_dependent_launch_follows_the_kernels_pdl_constexpr():
+    kb = _binary(0)
+    assert ffi_launch.launch_attributes(kb, (1,))["pdl"] == 0
+    got = ffi_launch.launch_attributes(kb, (1,), pdl=True)["pdl"]
+    assert got.dtype == np.int32 and got == 1

@@ -39,7 +39,7 @@ def reduce_ptx(hints):
     types = ["*fp32", "*fp32", "*i32", "*i32", "*i32", "*i32", "*bf16", "*fp32", "*bf16", "*fp32"]
     return compile_ptx(decode.mla_reduce_kernel, names, types,
                dict(H=16, L=512, BLOCK_H=16, BLOCK_L=16, BLOCK_S=8, MAX_ROWS=1, OFF64=False,
-                    L2_HINTS=hints))
+                    L2_HINTS=hints, PDL=False))
 
 def affine_ptx(hints):
     names = ("part_out_ptr", "part_lse_ptr", "tiles_ptr", "tile_ptr_ptr", "out_in_ptr",
@@ -47,7 +47,7 @@ def affine_ptx(hints):
     types = ["*fp32", "*fp32", "*i32", "*i32", "*bf16", "*fp32", "*bf16", "*fp32"]
     return compile_ptx(decode.mla_reduce_affine_kernel, names, types,
                dict(H=16, L=512, Q=2, BLOCK_H=16, BLOCK_L=16, BLOCK_S=8, OFF64=False,
-                    L2_HINTS=hints))
+                    L2_HINTS=hints, PDL=False))
 
 out = {}
 for hints in ("1", "0"):

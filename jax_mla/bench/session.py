@@ -13,7 +13,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`; ``ab_fp8``: the
-  fp8-cache tiles of :data:`FP8_AB_VARIANTS` at :data:`FP8_AB_SHAPES`;
+  fp8-cache tiles of :data:`FP8_AB_VARIANTS` at :data:`FP8_AB_SHAPES`; ``ab_pdl``: programmatic
+  dependent launch on and off at :data:`PDL_AB_SHAPES`;
 - ``memcheck``: the Triton fuzz cases and conformance cases under compute-sanitizer, in the
   background (``memcheck_wait`` waits for it; the session's end too); ``memcheck_fuzz``: the
   fuzz cases alone, in the foreground; ``memcheck_conformance``: the conformance cases alone,
@@ -243,6 +244,18 @@ def stage_ab(_):
 # them are the reference the fp8 target is a ratio to).
 FP8_AB_SHAPES = ("64,16,4096,1,64,fp8", "64,16,4096", "128,16,8192,1,64,fp8", "128,16,8192")
 FP8_AB_VARIANTS = ("base", "bn16s3:block_n=16,num_stages=3", "bn16s4:block_n=16,num_stages=4")
+
+
+# Programmatic dependent launch: each kernel launched while its predecessor finishes (issue 21's
+# stream-time target); the small calls are where launch gaps weigh most.
+PDL_AB_SHAPES = ("1,16,1024", "1,128,1024", "8,16,4096", "32,16,4096", "128,16,8192",
+                 "128,128,4096")
+PDL_AB_VARIANTS = ("base", "pdl:pdl=1")
+
+
+def stage_ab_pdl(_):
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "ab_pdl.json"), *PDL_AB_VARIANTS,
+             "--", *PDL_AB_SHAPES], 400, "ab pdl")
 
 
 def stage_ab_fp8(_):

@@ -28,6 +28,7 @@ parse, the kernel is compiled unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -184,6 +185,31 @@ def _compile_gluon(compile_kernel, backend_init_func, platform, fn, *args, **kwa
             triton_lib.tc, triton_lib.code_gen, triton_lib.triton_kernel_call_lib = saved
 
 
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _amd_knobs(target, constexprs: dict):
+    """gfx942, float32 (``IEEE``) kernels: Triton's in-thread transpose pass off. With it the
+    float32 decode tile spills 2-8 VGPRs at 512; without it takes 444-452 and spills none
+    (``python -m jax_mla.aot``, triton 3.9; docs/aot.md). Set through the environment, which
+    Triton's compile cache key includes, so the two binaries never share a cache entry."""
+    if not (target.backend == "hip" and target.arch == "gfx942" and constexprs.get("IEEE")):
+        yield
+        return
+    name = "TRITON_HIP_USE_IN_THREAD_TRANSPOSE"
+    with _ENV_LOCK:
+        saved = os.environ.get(name)
+        os.environ[name] = "0"
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = saved
+
+
 def compile_for_target(kernel, *, signature: dict, constexprs: dict, attrs: dict, target,
                        num_warps: int, num_stages: int | None = None):
     """``(compiled, rewrites)``: Triton's ahead-of-time compile of ``kernel`` for ``target`` (a
@@ -203,7 +229,8 @@ def compile_for_target(kernel, *, signature: dict, constexprs: dict, attrs: dict
         from triton.compiler import ASTSource as Source
         options = dict(num_warps=num_warps, num_stages=num_stages)
     src = Source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    cc = triton.compile(src, target=target, options=options)
+    with _amd_knobs(target, constexprs):
+        cc = triton.compile(src, target=target, options=options)
     if target.backend != "cuda" or not constexprs.get("WG_SPLIT"):
         return cc, 0
     text, rewrites = split_broadcast_wgmma(cc.asm["ttgir"])

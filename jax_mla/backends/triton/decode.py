@@ -102,7 +102,8 @@ def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_page
         kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, scale=scale, num_pages=num_pages) | dict(
         BLOCK_M=cfg.block_m, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(rope_dim),
         BLOCK_N=cfg.block_n, TILE_IN_PAGE=page_size % cfg.block_n == 0,
-        HAS_KV_SCALE=has_kv_scale, UPCAST=upcast, IEEE=ieee, WG_SPLIT=cfg.wg_split)
+        HAS_KV_SCALE=has_kv_scale, UPCAST=upcast, IEEE=ieee, WG_SPLIT=cfg.wg_split,
+        PDL=cfg.pdl)
 
 
 def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
@@ -128,7 +129,8 @@ def reduce_partials(part_out, part_lse, sched, out, lse, *, config: ReduceConfig
     out_shapes = [jax.ShapeDtypeStruct(out.shape, out.dtype),
                   jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
     consts = dict(H=h, L=lr, BLOCK_H=block_h, OFF64=part_out.size >= 2**31,
-                  L2_HINTS=config.l2_hints, BLOCK_S=config.block_s, BLOCK_L=config.block_l)
+                  L2_HINTS=config.l2_hints, BLOCK_S=config.block_s, BLOCK_L=config.block_l,
+                  PDL=config.pdl)
     grid_l = math.ceil(lr / config.block_l)
     if isinstance(sched, SplitSchedule) and config.affine:
         # One program per split request (a program with nothing to merge still costs a launch),

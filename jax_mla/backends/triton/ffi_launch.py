@@ -409,8 +409,11 @@ def check_device(target: Target) -> None:
                          "not load on the other; plan for the device the step runs on")
 
 
-def launch_attributes(kb: KernelBinary, grid) -> dict:
-    """The custom call's static attributes for launching ``kb`` on ``grid``."""
+def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
+    """The custom call's static attributes for launching ``kb`` on ``grid``; ``pdl``: launch it
+    with programmatic dependent launch (CUDA: it may start while its predecessor on the stream
+    finishes, so the kernel must wait for it, ``griddepcontrol.wait``, before touching memory;
+    ROCm ignores it)."""
     grid = tuple(int(g) for g in grid)
     if not 1 <= len(grid) <= 3 or any(g < 0 or g >= 2**31 for g in grid):
         raise ValueError(f"grid {grid} must be 1 to 3 non-negative 32-bit sizes")
@@ -419,7 +422,7 @@ def launch_attributes(kb: KernelBinary, grid) -> dict:
     return dict(kernel_name=kb.name, binary=np.frombuffer(kb.binary, np.uint8),
                 binary_hash=np.int64(kb.binary_hash), grid_x=i32(gx), grid_y=i32(gy),
                 grid_z=i32(gz), block_threads=i32(kb.threads), shared_bytes=i32(kb.shared),
-                hidden_params=i32(kb.hidden_params), target=kb.target)
+                hidden_params=i32(kb.hidden_params), target=kb.target, pdl=i32(bool(pdl)))
 
 
 def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_aliases=None,
@@ -437,5 +440,7 @@ def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_ali
                         num_stages=num_stages)
     call = jax.ffi.ffi_call(TARGET_NAME, out_shapes,
                             input_output_aliases=dict(input_output_aliases or {}))
-    outs = call(*arrays, **launch_attributes(kb, grid))
+    # A kernel compiled to wait on its predecessor (the ``PDL`` constexpr of jax_mla's kernels)
+    # is the one that may be launched ahead of it.
+    outs = call(*arrays, **launch_attributes(kb, grid, pdl=bool(constexprs.get("PDL", False))))
     return tuple(outs)

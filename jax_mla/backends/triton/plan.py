@@ -15,13 +15,17 @@ Rules (measured figures behind them: ``benchmarks/results/h200/RESULTS.md``):
   warpgroups (``compile.split_broadcast_wgmma``).
 - 17..32 rows fit neither MMA shape: on Hopper one 64-row wgmma tile, half of it padding;
   elsewhere two 16-row head blocks that share each KV tile through L2.
+- A float32 cache (the exact path) takes 16-row programs on every GPU. CUDA: 16-token KV tiles,
+  two stages, three programs an SM (:data:`CUDA_FP32_TILE`; the 64-row tile took 304 KiB of
+  shared memory).
 - AMD Instinct has tiles of its own per architecture (:data:`ROCM_TILES`): at most 32 rows
   (16 for float32 caches), 4 warps, 16-token KV tiles, fitting gfx942's 64 KiB of LDS with no
-  spills (float32 excepted on gfx942).
+  spills (float32 on gfx942 compiled with Triton's in-thread transpose off: ``compiler.py``).
 - The grid is persistent: exactly the programs the GPU holds at once (``ctas_per_sm`` per SM).
 - The reduce reads a request's partials in chunks of about what the even-pieces plan cuts a
   fixed-length request into (at most 8), over a ``[chunk, 16, columns]`` tile of 8 x 16 x 16
-  floats (72 registers a thread on sm_90a: ~7 programs per SM).
+  floats (72 registers a thread on sm_90a: ~7 programs per SM); one head on CUDA: twice the
+  columns (:data:`CUDA_ONE_HEAD_REDUCE_WIDEN`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,19 @@ GPU_TILES = {
     16: {"block_n": 32, "num_warps": 4, "num_stages": 3, "ctas_per_sm": 2},
     64: {"block_n": 64, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1},
 }
+# float32 caches (the exact path; its ``ieee`` dots run on FMA units, not tensor cores) on CUDA:
+# 16-row programs, 16-token KV tiles, two stages. sm_90a (``python -m jax_mla.aot``, triton
+# 3.9): 73 KiB, 48-167 registers, no spills in any of the 64 decode / verify variants, three
+# programs an SM. The 16-bit tiles did not fit: 16 rows x 32 tokens x 3 stages took 182 KiB and
+# spilled ~4 KB; the 64-row tile took 304 KiB (more than the 227 KiB a block may have). Three
+# stages (109 KiB) spilled 8 bytes at Q = 3; 8 warps spilled 52-76 bytes at Q = 3. Chosen for
+# fitting, not speed: unmeasured on the H200.
+CUDA_FP32_MAX_ROWS = 16
+CUDA_FP32_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 3}
+# The affine reduce at one head (``BLOCK_H = 1``) on CUDA takes twice the columns: ptxas 13.x
+# (triton 3.9, ``--regAllocOptLevel=2``) spilled 8 bytes at 32 registers for the narrow tiles
+# (4 x 32 at Q = 5, 8 x 16 at Q = 4 and 5); the wider ones compile without spills for Q = 1..8.
+CUDA_ONE_HEAD_REDUCE_WIDEN = 2
 # AMD Instinct, by architecture: tiles by MMA rows that fit the CU's LDS (64 KiB on gfx90a /
 # gfx942, 160 KiB on gfx950) with no spills, from ``python -m jax_mla.aot`` (triton 3.9:
 # compiles, not runs; docs/aot.md). Registers bind, not LDS: a wave has 512 VGPRs (AGPRs
@@ -64,7 +81,8 @@ ROCM_DEFAULT_ARCH = "gfx942"  # other or unnamed AMD architectures: the 64 KiB L
 ROCM_MAX_ROWS = 32
 # float32 caches (the exact path) on ROCm: 16-row tiles (32 rows spill more), whose KV tile
 # needs two LDS buffers (three stages, 73 KiB) not to spill: on gfx950; gfx942's 64 KiB holds
-# one (two stages), and 2-8 VGPRs spill there (docs/aot.md).
+# one (two stages), where it fits with Triton's in-thread transpose pass off (``compiler.py``;
+# with it 2-8 VGPRs spilled, docs/aot.md).
 ROCM_FP32_MAX_ROWS = 16
 ROCM_FP32_TILES = {
     "gfx942": {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 1},
@@ -96,7 +114,10 @@ class TritonTuning:
     ``kernels/triton/plan.py``), ``jnp`` (XLA ops) or ``auto`` (the kernel on GPUs, jnp on
     CPU, where the interpreter would be slower than XLA); both give the same arrays, bit for
     bit. ``launcher``: how kernels reach XLA on GPUs, ``ffi`` (jax_mla's own FFI handler),
-    ``jax_triton`` or ``auto`` (``launch.resolve_launcher``).
+    ``jax_triton`` or ``auto`` (``launch.resolve_launcher``). ``pdl``: programmatic dependent
+    launch of the Triton decode and reduce kernels on Hopper (each may be launched while the
+    kernel before it finishes, and waits for it before touching memory; off until measured:
+    ``python -m jax_mla.bench.session ab_pdl``).
     """
 
     block_n: int | None = None
@@ -114,6 +135,7 @@ class TritonTuning:
     split_plan: str = "auto"
     planner: str = "auto"
     launcher: str = "auto"
+    pdl: bool = False
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -142,6 +164,7 @@ class TritonTuning:
             split_plan=split_plan_mode(),
             planner=env.read_choice("JAX_MLA_TRITON_PLANNER", PLANNERS, "auto"),
             launcher=env.read_choice("JAX_MLA_TRITON_LAUNCHER", LAUNCHERS, "auto"),
+            pdl=env.read_flag("JAX_MLA_TRITON_PDL", False),
         )
 
     @property
@@ -169,6 +192,7 @@ class KernelConfig:
     wg_split: bool = False  # score tile split across warpgroups (compile.py)
     sm90: bool = False  # the Gluon two-warpgroup kernel (kernels/gluon/decode_sm90.py)
     l2_hints: bool = True  # split partials stored evict_last (read evict_first by the reduce)
+    pdl: bool = False  # programmatic dependent launch (the Triton kernel on Hopper)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +203,7 @@ class ReduceConfig:
     block_s: int  # partials a program reads at once
     block_l: int  # latent columns a program merges
     l2_hints: bool
+    pdl: bool = False  # programmatic dependent launch (Hopper)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +268,12 @@ def rocm_tile(arch: str | None, rows: int, fp32: bool) -> dict:
     return ROCM_TILES.get(arch, ROCM_TILES[ROCM_DEFAULT_ARCH])[16 if rows <= 16 else 32]
 
 
+def pdl_enabled(target, tuning: TritonTuning) -> bool:
+    """Programmatic dependent launch: asked for, and a Hopper GPU (``griddepcontrol``)."""
+    target = as_target(target)
+    return bool(tuning.pdl) and target.platform == "cuda" and target.hopper
+
+
 def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bool = True,
                   tuning: TritonTuning | None = None, kv_dtype=None) -> KernelConfig:
     """The decode tile for ``H`` heads x ``Q`` tokens on ``target`` (see the module's rules).
@@ -256,11 +287,15 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
     tuning = TritonTuning.from_env() if tuning is None else tuning
     rocm = target.platform == "rocm"
     fp32 = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize >= 4
+    cuda_fp32 = fp32 and target.platform == "cuda"
     max_rows = tuning.max_rows or MAX_ROWS
     if rocm and not tuning.max_rows:
         max_rows = ROCM_FP32_MAX_ROWS if fp32 else ROCM_MAX_ROWS
+    elif cuda_fp32 and not tuning.max_rows:
+        max_rows = CUDA_FP32_MAX_ROWS
     min_block_m = tuning.min_block_m or 16
-    if target.gpu and not tuning.max_rows and 16 < qlen * num_heads <= 32 and qlen <= 16:
+    if (target.gpu and not tuning.max_rows and 16 < qlen * num_heads <= 32 and qlen <= 16
+            and not cuda_fp32):
         if target.hopper:
             min_block_m = max(min_block_m, 64)
         elif min_block_m <= 16:
@@ -269,7 +304,7 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
     nhb = -(-num_heads // hb)
     block_m = max(min_block_m, next_pow2(qlen * hb))
     common = dict(heads_per_block=hb, num_head_blocks=nhb, block_m=block_m,
-                  l2_hints=tuning.l2_hints)
+                  l2_hints=tuning.l2_hints, pdl=pdl_enabled(target, tuning))
     if not target.gpu:
         return KernelConfig(**common, **INTERPRETER_TILE, ctas_per_sm=tuning.ctas_per_sm or 1)
     if (sm90 and block_m == 64 and target.hopper and tuning.sm90_kernel
@@ -277,6 +312,8 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
         return KernelConfig(**common, **SM90_TILE)
     if rocm:
         tile = dict(rocm_tile(target.arch, block_m, fp32))
+    elif cuda_fp32:
+        tile = dict(CUDA_FP32_TILE)
     else:
         tile = dict(GPU_TILES[16 if block_m <= 16 else 64])
     tile.update(tuning.tile_overrides)
@@ -318,15 +355,18 @@ def reduce_block_l(block_s: int, lr: int, gpu: bool, tuning: TritonTuning | None
 
 
 def reduce_config(programs: int, batch: int, kv_lora_rank: int, target: Target,
-                  tuning: TritonTuning) -> ReduceConfig:
+                  tuning: TritonTuning, num_heads: int | None = None) -> ReduceConfig:
     """The reduce for this package's plans: the affine kernel's chunk and columns, or with
-    ``tuning.affine_reduce`` off the general kernel's tile."""
+    ``tuning.affine_reduce`` off the general kernel's tile. ``num_heads``: one head on CUDA
+    takes :data:`CUDA_ONE_HEAD_REDUCE_WIDEN` times the columns (None: as for many heads)."""
     if not tuning.affine_reduce:
         return general_reduce_config(kv_lora_rank, target, tuning.l2_hints)
     block_s = reduce_block_s(programs, batch, target.gpu, tuning)
-    return ReduceConfig(affine=True, block_s=block_s,
-                        block_l=reduce_block_l(block_s, kv_lora_rank, target.gpu, tuning),
-                        l2_hints=tuning.l2_hints)
+    block_l = reduce_block_l(block_s, kv_lora_rank, target.gpu, tuning)
+    if num_heads == 1 and target.platform == "cuda" and tuning.reduce_block_l is None:
+        block_l = min(block_l * CUDA_ONE_HEAD_REDUCE_WIDEN, next_pow2(kv_lora_rank))
+    return ReduceConfig(affine=True, block_s=block_s, block_l=block_l, l2_hints=tuning.l2_hints,
+                        pdl=pdl_enabled(target, tuning))
 
 
 def general_reduce_config(kv_lora_rank: int, target: Target, l2_hints: bool = True
@@ -354,5 +394,6 @@ def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = N
         backend=name, problem=problem, padded_heads=p.num_heads, kernel=cfg,
         num_programs=programs, split_mode=tuning.split_plan, planner=planner,
         launcher=resolve_launcher(target, tuning.launcher),
-        reduce=reduce_config(programs, p.num_seqs, p.kv_lora_rank, target, tuning),
+        reduce=reduce_config(programs, p.num_seqs, p.kv_lora_rank, target, tuning,
+                             num_heads=p.num_heads),
         tuning=tuning)

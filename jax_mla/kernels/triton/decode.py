@@ -213,6 +213,23 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
 
 
 @triton.jit
+def _wait_for_predecessor(PDL: tl.constexpr):
+    """With programmatic dependent launch (``PDL``, CUDA sm_90+) a kernel may start while the
+    kernel before it on the stream is still running: wait for it to finish (and its writes to
+    be visible) before this program touches any memory. Without PDL: nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _release_successor(PDL: tl.constexpr):
+    """Let the next kernel on the stream be launched (it waits for this one to end before it
+    reads anything): its launch latency then hides under this kernel's tail."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def mla_decode_kernel(
     q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_indptr_ptr, work_ptr, kv_scale_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -222,9 +239,11 @@ def mla_decode_kernel(
     PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, WG_SPLIT: tl.constexpr = False,
     L2_HINTS: tl.constexpr = False, NUM_PAGES: tl.constexpr = 2147483647,
+    PDL: tl.constexpr = False,
 ):
     # WG_SPLIT is read by the compiler wrapper, not here: on CUDA it splits the score tile's
     # columns between the two warpgroups of a 64-row, 8-warp program (backends/triton/compiler.py).
+    _wait_for_predecessor(PDL)
     pid = tl.program_id(0)
     p = pid // NUM_HB
     hb = pid % NUM_HB
@@ -242,6 +261,7 @@ def mla_decode_kernel(
                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H, MAX_PAGES, Q, HB, BLOCK_M,
                      L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE, HAS_KV_SCALE,
                      UPCAST, IEEE, L2_HINTS, NUM_PAGES)
+    _release_successor(PDL)
 
 
 @triton.jit
@@ -292,7 +312,7 @@ def mla_reduce_kernel(
     out_ptr, lse_ptr,
     H: tl.constexpr, L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_S: tl.constexpr, MAX_ROWS: tl.constexpr, OFF64: tl.constexpr,
-    L2_HINTS: tl.constexpr = False,
+    L2_HINTS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Merge the split partials of one query tile (AITER's ``mla_reduce_v1`` semantics).
 
@@ -309,6 +329,7 @@ def mla_reduce_kernel(
     registers, many programs per SM). Every latent block recomputes the (cheap) weights, so the
     one that holds column 0 also writes the LSE. ``OFF64``: partial offsets need 64 bits.
     """
+    _wait_for_predecessor(PDL)
     i = tl.load(tiles_ptr + tl.program_id(0))
     hb = tl.program_id(1)
     lb = tl.program_id(2)
@@ -360,7 +381,7 @@ def mla_reduce_affine_kernel(
     out_ptr, lse_ptr,
     H: tl.constexpr, L: tl.constexpr, Q: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, OFF64: tl.constexpr,
-    L2_HINTS: tl.constexpr = False,
+    L2_HINTS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """The reduce for this package's own plans (``schedule.plan_splits``), where the partials of
     a request are consecutive: program ``(k, hb, lb)`` merges split request ``i = tiles[k]``,
@@ -373,6 +394,7 @@ def mla_reduce_affine_kernel(
     unrolled and row ``r + 1``'s partials are loaded before row ``r`` is merged, so a verify
     tile's rows overlap their loads instead of waiting one after another.
     """
+    _wait_for_predecessor(PDL)
     k = tl.program_id(0)
     hb = tl.program_id(1)
     lb = tl.program_id(2)
