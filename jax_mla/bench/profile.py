@@ -46,8 +46,9 @@ def _profile(run, raw=False):
 def graph_launches(fn, *args, calls: int = 20) -> dict:
     """How ``jax.jit(fn)``'s calls reach the GPU, per call, from the CUDA API records: graph
     launches (``cuGraphLaunch``/``cudaGraphLaunch``) against kernel launches made one by one.
-    XLA now forms its command buffers after the HLO passes, where the compiled HLO text no
-    longer shows them: this is the evidence that counts."""
+    Blind to XLA's command buffers: torch's profiler keeps CUDA runtime records, and XLA
+    launches its graphs through the driver API (0 here proved nothing on the H200, 2026-12-05);
+    ``jax_mla.bench.cmdbuf`` reads XLA's own log and thunk dump instead."""
     f = jax.jit(fn)
     jax.block_until_ready(f(*args))
 

@@ -47,18 +47,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_mla.backends.aiter import capabilities as caps
+from jax_mla.backends.aiter.planner import _BIG, _cdiv
 
 QLEN_GRANULARITY = caps.FP8_PREFILL_TILE_Q  # 256 query rows a tile
 KVLEN_GRANULARITY = 128  # vLLM passes kvlen_granularity=128
 QHEAD_GRANULARITY = 1
 WORK_INFO_FIELDS = ("batch_idx", "partial_o_loc", "qo_start", "qo_end", "kv_start", "kv_end",
                     "kv_offset", "q_head_range")
-_BIG = 1 << 30
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
 
 # ---------------------------------------------------------------------------------------------
 # get_ps_metadata_info_v1

@@ -40,6 +40,7 @@ from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter import manifest
 from jax_mla.backends.aiter.segments import merge_mla_segments
 from jax_mla.backends.base import out_dtype
+from jax_mla.backends.triton.plan import next_pow2
 from jax_mla.cache import is_fp8
 from jax_mla.problem import as_target
 
@@ -116,15 +117,11 @@ def kernel_key(kernel) -> str:
 
 # --- AITER's launch parameters, from static sizes ---------------------------------------------
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
 def num_segments(tile_size: int, max_seqlen_kv: int, num_2d_programs: int, num_cu: int) -> int:
     """``select_3d_config``'s segment count on gfx942/gfx950 (always 8 to 128, a power of 2)."""
     max_segments = min(128, math.ceil(max_seqlen_kv / tile_size))
     s = math.ceil(4 * num_cu / num_2d_programs) * 2
-    s = _next_pow2(min(s, max_segments))
+    s = next_pow2(min(s, max_segments))
     return max(min(s, 128), 8)
 
 
@@ -160,7 +157,7 @@ def launch_config(*, rows: int, num_seqs: int, num_heads: int, page_size: int,
         raise KernelUnavailable(f"no segmented Triton launch parameters for {arch!r}")
     tokens = rows // num_seqs
     gqa = num_heads
-    block_m = 16 if gqa <= 16 else min(_next_pow2(gqa), 128 if kv_fp8 else 64)
+    block_m = 16 if gqa <= 16 else min(next_pow2(gqa), 128 if kv_fp8 else 64)
     block_q = max(block_m // gqa, 1)
     head_blocks = -(-gqa // block_m)
     q_blocks = num_seqs * head_blocks if tokens == 1 else (
