@@ -10,9 +10,6 @@ AITER's buffers hold them. Static shapes: one compile for any lengths, no host t
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,20 +17,12 @@ import pytest
 
 from jax_mla.backends.aiter import ps_planner as pp
 
-from aiter_standin.harness import STANDIN_DIR, standin
+from aiter_standin.harness import load_metadata_ref, standin
 
 NAMES = ("work_indptr", "work_info", "reduce_indptr", "reduce_final_map", "reduce_partial_map")
 
 
-def _load_ref():
-    spec = importlib.util.spec_from_file_location(
-        "_aiter_ps_metadata_ref", os.path.join(STANDIN_DIR, "aiter", "_ps_metadata_ref.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-REF = _load_ref()
+REF = load_metadata_ref("_ps_metadata_ref")
 
 
 def _indptr(lens):

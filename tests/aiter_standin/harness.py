@@ -59,12 +59,13 @@ def forced_standins(on_enter=None):
             ctx.__exit__(None, None, None)
 
 
-def load_metadata_ref():
-    """The plain-Python port of AITER's planner, without making ``aiter`` importable."""
+def load_metadata_ref(name: str = "_metadata_ref"):
+    """A plain-Python port of one of AITER's planners (``_metadata_ref``: the decode planner,
+    ``_ps_metadata_ref``: the PS prefill one), without making ``aiter`` importable."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "_aiter_metadata_ref", os.path.join(STANDIN_DIR, "aiter", "_metadata_ref.py"))
+        f"_aiter{name}", os.path.join(STANDIN_DIR, "aiter", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
