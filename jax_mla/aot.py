@@ -12,9 +12,9 @@ replaced by a recorder, so the kernels, dtypes, constexprs, warps and stages are
 launches the backend makes. Launches that are the same binary (kernel, signature, constexprs,
 warps, stages) compile once; every ``(kernel, num_heads, qlen, dtypes)`` row is reported.
 
-Per binary: shared memory / LDS (Triton's metadata), registers and spills (CUDA: Triton's
-bundled ``ptxas -v`` on the PTX; AMD: the AMDGPU metadata of the assembly, VGPRs counting
-AGPRs), and the programs an SM / CU holds at once (:func:`occupancy`). The exit status is 1
+Per binary: shared memory / LDS (Triton's metadata), registers and spills (CUDA: the ``-v``
+report of the installed Triton's own cubin step, its ptxas and flags; AMD: the AMDGPU metadata
+of the assembly, VGPRs counting AGPRs), and the programs an SM / CU holds at once (:func:`occupancy`). The exit status is 1
 when a row exceeds its target's :data:`LIMITS` (shared memory, registers) or spills at all.
 
 These are compiles, not runs: a kernel that fits may still be slow, and nothing here needs (or
@@ -33,9 +33,7 @@ import math
 import multiprocessing
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from unittest import mock
 
 KV_LORA_RANK, ROPE_DIM = 512, 64  # DeepSeek's latent geometry (decode)
@@ -108,6 +106,7 @@ class Job:
     constexprs: tuple[tuple[str, object], ...]
     num_warps: int
     num_stages: int
+    options: tuple[tuple[str, object], ...] = ()  # further compile options (waves_per_eu, ...)
 
 
 class _Recorder:
@@ -118,14 +117,16 @@ class _Recorder:
         self.jobs: list[Job] = []
 
     def __call__(self, kernel, *args, grid, out_shapes, target, launcher=None,
-                 input_output_aliases=None, num_warps=4, num_stages=2, **constexprs):
+                 input_output_aliases=None, num_warps=4, num_stages=2, compile_options=None,
+                 **constexprs):
         import jax.numpy as jnp
 
         fn = getattr(kernel, "fn", kernel)
         dtypes = tuple(jnp.dtype(a.dtype).name for a in args) + tuple(
             jnp.dtype(s.dtype).name for s in out_shapes)
         self.jobs.append(Job(f"{fn.__module__}:{fn.__name__}", dtypes,
-                             tuple(sorted(constexprs.items())), num_warps, num_stages))
+                             tuple(sorted(constexprs.items())), num_warps, num_stages,
+                             tuple(sorted((compile_options or {}).items()))))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shapes)
 
     @contextlib.contextmanager
@@ -259,29 +260,6 @@ def variants(target_name: str, heads=HEADS, qlens=QLENS, dtypes=DTYPES, batch: i
 
 # --- compiling (in worker processes) --------------------------------------------------------
 
-def _ptxas_stats(ptx: str, arch: int) -> dict:
-    """Registers, spills and stack of ``ptx`` from Triton's bundled ptxas (``-v``), run with the
-    options Triton's own cubin step uses."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run(
-            [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-             f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", os.path.join(d, "k.o")],
-            capture_output=True, text=True, check=True)
-    log = res.stderr
-
-    def num(pattern):
-        return sum(int(m) for m in re.findall(pattern, log))
-
-    return dict(registers=num(r"Used (\d+) registers"),
-                spills=num(r"(\d+) bytes spill stores") + num(r"(\d+) bytes spill loads"),
-                scratch=num(r"(\d+) bytes stack frame"))
-
-
 def _amdgcn_stats(asm: str) -> dict:
     """Registers and spills from the AMDGPU metadata of the kernel's assembly."""
     def field(name):
@@ -307,11 +285,12 @@ def compile_job(target_name: str, job: Job) -> dict:
     try:
         cc, _ = compiler.compile_for_target(kernel, signature=sig, constexprs=consts,
                                             attrs=attrs, target=tt_target,
-                                            num_warps=job.num_warps, num_stages=job.num_stages)
+                                            num_warps=job.num_warps, num_stages=job.num_stages,
+                                            options=dict(job.options))
     except Exception as e:  # noqa: BLE001 - a variant Triton cannot compile is a reported failure
         return dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
     md = cc.metadata
-    stats = (_ptxas_stats(cc.asm["ptx"], tt_target.arch) if tt_target.backend == "cuda"
+    stats = (compiler.ptxas_stats(cc.asm["ptx"], tt_target) if tt_target.backend == "cuda"
              else _amdgcn_stats(cc.asm["amdgcn"]))
     return dict(lds=int(md.shared), threads=md.num_warps * tt_target.warp_size, **stats)
 

@@ -302,10 +302,25 @@ from jax_mla.backends.aiter import build_aiter_decode_metadata, triton_kernels
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.problem import Target
 from aiter_standin.harness import standin
+from jax_mla.backends.triton import compiler as tc
 
+# What AITER's launch hands its compiler reaches ours: the HIP occupancy hint, as the LLVM
+# function attribute Triton's AMD backend makes of it.
+waves = []
+compile_for_target = tc.compile_for_target
+
+
+def recording(*args, **kwargs):
+    cc, n = compile_for_target(*args, **kwargs)
+    waves.append(re.findall(r'"amdgpu-waves-per-eu"="([\d,]+)"', cc.asm["llir"]))
+    return cc, n
+
+
+tc.compile_for_target = recording
 res = {}
 with standin(arch="gfx950", cu_num=8):
     for dt, heads in (("bf16", 32), ("fp8", 16)):
+        waves.clear()
         kv_dt = jnp.bfloat16 if dt == "bf16" else caps.fp8_dtype("gfx950")
         b, qlen, mp, ps = 3, 3, 4, 16
         bt = jnp.arange(b * mp, dtype=jnp.int32).reshape(b, mp)
@@ -346,7 +361,8 @@ with standin(arch="gfx950", cu_num=8):
             threads=[int(re.search(r"block_threads = (\d+)", l).group(1)) for l in calls],
             lowered_target=[re.search(r'target = "(\w+)"', l).group(1) for l in calls],
             want_grid=list(cfg.grid), want_threads=cfg.num_warps * 64,
-            callbacks=sum("callback" in l for l in text.splitlines() + hlo.splitlines()))
+            callbacks=sum("callback" in l for l in text.splitlines() + hlo.splitlines()),
+            waves=waves[:], want_waves=cfg.waves_per_eu)
 print(json.dumps(res))
 """
 
@@ -368,3 +384,5 @@ def test_the_route_lowers_for_rocm_to_our_typed_ffi_call_only(tmp_path):
         assert got["typed"] == [f'"{ffi_launch.TARGET_NAME}" typed'], (dt, got)
         assert got["grid"] == [got["want_grid"]] and got["threads"] == [got["want_threads"]]
         assert got["callbacks"] == 0, (dt, got)
+        (attr,), = got["waves"]  # one compile, one kernel attribute ("1,1": min and max)
+        assert {int(x) for x in attr.split(",")} == {got["want_waves"]}, (dt, got)

@@ -256,12 +256,32 @@ def test_cache_key_names_triton_version_target_and_specialization(monkeypatch):
               ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 100, 32), 4, 1),
               ffi_launch._cache_key(k, {"a": "*bf16"}, consts, GPUTarget("cuda", 90, 32), 4, 1),
               ffi_launch._cache_key(k, sig, {"H": 32}, GPUTarget("cuda", 90, 32), 4, 1),
-              ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 90, 32), 8, 1)]
+              ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 90, 32), 8, 1),
+              ffi_launch._cache_key(k, sig, consts, GPUTarget("hip", "gfx942", 64), 4, 1,
+                                    {"waves_per_eu": 1})]
     k2 = types.SimpleNamespace(__name__="k", cache_key="edited-source-hash")
     others.append(ffi_launch._cache_key(k2, sig, consts, GPUTarget("cuda", 90, 32), 4, 1))
     monkeypatch.setattr(triton, "__version__", "0.0.0-other")
     others.append(ffi_launch._cache_key(k, sig, consts, GPUTarget("cuda", 90, 32), 4, 1))
     assert len({key, *others}) == len(others) + 1
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton.backends.amd") is None,
+                    reason="triton without its AMD backend")
+def test_compile_options_are_checked_against_the_backend():
+    """A compile option reaches Triton only where its backend has it: a HIP hint on CUDA, or a
+    misspelt name, is an error naming it (Triton would drop it without a word)."""
+    from triton.backends.compiler import GPUTarget
+
+    from jax_mla.backends.triton.compiler import backend_options
+
+    hip = GPUTarget("hip", "gfx942", 64)
+    assert backend_options(hip, {"waves_per_eu": 2}) == {"waves_per_eu": 2}
+    assert backend_options(GPUTarget("cuda", 90, 32), None) == {}
+    with pytest.raises(ValueError, match=r"\['waves_per_eu'\] are not options of Triton's cuda"):
+        backend_options(GPUTarget("cuda", 90, 32), {"waves_per_eu": 1})
+    with pytest.raises(ValueError, match="waves_per_cu"):
+        backend_options(hip, {"waves_per_cu": 1})
 
 
 def test_llir_parameter_count():

@@ -209,6 +209,8 @@ def segment_partials(q, kv_cache, view, route, *, scale: float, kv_scale=None, t
         mla_aiter_segmented_entry_kernel, q, kv4, table, view.row_lens.astype(jnp.int32),
         view.qo_indptr.astype(jnp.int32), ks, grid=cfg.grid, out_shapes=outs, target=target,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # AITER's launch passes its compiler this HIP occupancy hint too.
+        compile_options={"waves_per_eu": cfg.waves_per_eu} if target.platform == "rocm" else None,
         KERNEL=kernel, KERNEL_KEY=kernel_key(kernel), SCALE=float(scale), NUM_QUERY_HEADS=n,
         NUM_KV_HEADS=1, BLOCK_TABLES_STRIDE=table.shape[1], QUERY_STRIDE_0=n * d,
         QUERY_STRIDE_1=d, KV_LORA_RANK=lr, QK_ROPE_HEAD_DIM=d - lr, STRIDE_KV_0=page * d,

@@ -210,8 +210,25 @@ def _amd_knobs(target, constexprs: dict):
                 os.environ[name] = saved
 
 
+def backend_options(target, options: dict | None) -> dict:
+    """``options`` checked against the compile options of ``target``'s Triton backend (a
+    ``GPUTarget``): Triton drops a name its backend does not have without a word, so a
+    ``waves_per_eu`` meant for HIP would vanish on CUDA, or a misspelt one anywhere."""
+    if not options:
+        return {}
+    from triton.compiler.compiler import make_backend
+
+    fields = getattr(make_backend(target).parse_options({}), "__dataclass_fields__", {})
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(f"compile options {unknown} are not options of Triton's "
+                         f"{target.backend} backend (it has: {', '.join(sorted(fields))})")
+    return dict(options)
+
+
 def compile_for_target(kernel, *, signature: dict, constexprs: dict, attrs: dict, target,
-                       num_warps: int, num_stages: int | None = None):
+                       num_warps: int, num_stages: int | None = None,
+                       options: dict | None = None):
     """``(compiled, rewrites)``: Triton's ahead-of-time compile of ``kernel`` for ``target`` (a
     ``GPUTarget``), as the FFI launcher and the compile reports make it.
 
@@ -219,18 +236,21 @@ def compile_for_target(kernel, *, signature: dict, constexprs: dict, attrs: dict
     CUDA a kernel with the constexpr ``WG_SPLIT=True`` is compiled again from its TTGIR after
     :func:`split_broadcast_wgmma`; ``rewrites`` counts the layouts split (0 when nothing was to
     split, or the rewritten text did not compile and the kernel was kept unchanged).
+    ``options``: further options of the target backend's compile (``waves_per_eu`` on HIP, ...);
+    one the backend does not have is a ``ValueError`` (Triton would drop it silently).
     """
     import triton
 
     if is_gluon(kernel):
         from triton.experimental.gluon._runtime import GluonASTSource as Source
-        options = dict(num_warps=num_warps)
+        opts = dict(num_warps=num_warps)
     else:
         from triton.compiler import ASTSource as Source
-        options = dict(num_warps=num_warps, num_stages=num_stages)
+        opts = dict(num_warps=num_warps, num_stages=num_stages)
+    opts.update(backend_options(target, options))
     src = Source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     with _amd_knobs(target, constexprs):
-        cc = triton.compile(src, target=target, options=options)
+        cc = triton.compile(src, target=target, options=opts)
     if target.backend != "cuda" or not constexprs.get("WG_SPLIT"):
         return cc, 0
     text, rewrites = split_broadcast_wgmma(cc.asm["ttgir"])
@@ -241,10 +261,44 @@ def compile_for_target(kernel, *, signature: dict, constexprs: dict, attrs: dict
         with open(path, "w") as f:
             f.write(text)
         try:
-            return triton.compile(path, target=target, options=options), rewrites
+            return triton.compile(path, target=target, options=opts), rewrites
         except Exception as e:  # noqa: BLE001 - as rewrite_module: the split is skipped
             log.warning("jax_mla: TTGIR warpgroup split skipped (%s)", e)
             return cc, 0
+
+
+_PTXAS_LOCK = threading.Lock()
+
+
+def ptxas_stats(ptx: str, target, options: dict | None = None) -> dict:
+    """Registers a thread, bytes of spill stores plus loads, and stack frame bytes of ``ptx``,
+    as the installed Triton's own cubin step builds it for ``target`` (a CUDA ``GPUTarget``):
+    its ptxas, with the flags that version passes (triton 3.9: the CUDA 13 ``ptxas-blackwell``
+    with ``--regAllocOptLevel=2``; triton 3.6: the plain CUDA 12.9 ``ptxas``, without it), read
+    from the ``-v`` log Triton prints when ``dump_ptxas_log`` is on. ``options``: Triton
+    compile options (``enable_fp_fusion``, ``ptx_options``, ...). No GPU needed."""
+    import contextlib
+    import io
+
+    from triton import knobs
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(target)
+    opt = backend.parse_options(dict(options or {}))
+    log_out = io.StringIO()
+    with _PTXAS_LOCK, knobs.nvidia.scope(), contextlib.redirect_stdout(log_out):
+        knobs.nvidia.dump_ptxas_log = True
+        backend.make_cubin(ptx, {}, opt, target.arch)
+    log_text = log_out.getvalue()
+
+    def total(pattern):
+        return sum(int(m) for m in re.findall(pattern, log_text))
+
+    if "Used" not in log_text:
+        raise RuntimeError(f"no ptxas -v report in Triton's cubin step: {log_text[-500:]!r}")
+    return dict(registers=total(r"Used (\d+) registers"),
+                spills=total(r"(\d+) bytes spill stores") + total(r"(\d+) bytes spill loads"),
+                scratch=total(r"(\d+) bytes stack frame"))
 
 
 @functools.cache

@@ -250,14 +250,15 @@ def cache_dir() -> str:
     return os.path.join(root, "triton")
 
 
-def _cache_key(kernel, sig, consts, target, num_warps, num_stages) -> str:
+def _cache_key(kernel, sig, consts, target, num_warps, num_stages, options=None) -> str:
     import triton
 
     parts = dict(format=CACHE_FORMAT, triton=triton.__version__, kernel=kernel.__name__,
                  source=kernel.cache_key, signature=sig,
                  constexprs={k: repr(v) for k, v in consts.items()},
                  target=[target.backend, str(target.arch), target.warp_size],
-                 num_warps=num_warps, num_stages=num_stages)
+                 num_warps=num_warps, num_stages=num_stages,
+                 options={k: repr(v) for k, v in (options or {}).items()})
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -266,32 +267,35 @@ _COMPILE_LOCK = threading.Lock()
 
 
 def compile_kernel(kernel, pointer_dtypes, constexprs: dict, target: Target, *, num_warps: int,
-                   num_stages: int) -> KernelBinary:
+                   num_stages: int, options: dict | None = None) -> KernelBinary:
     """``kernel`` compiled for ``target`` (see :func:`specialization`), from the caches when
     there. A constexpr ``WG_SPLIT=True`` on CUDA compiles through the warpgroup column split of
-    ``compiler.py``."""
+    ``compiler.py``. ``options``: further options of Triton's compile (``compiler.py``)."""
     if env.interpreter_enabled():
         raise RuntimeError("the native Triton launcher compiles kernels: TRITON_INTERPRET must "
                            "be unset before triton is imported")
     tt_target = triton_target(target)
     sig, consts, attrs, names = specialization(kernel, pointer_dtypes, constexprs)
-    key = _cache_key(kernel, sig, consts, tt_target, num_warps, num_stages)
+    key = _cache_key(kernel, sig, consts, tt_target, num_warps, num_stages, options)
     with _COMPILE_LOCK:
         if key in _MEMORY:
             return _MEMORY[key]
         kb = _read_cached(key)
         if kb is None:
-            kb = _compile(kernel, sig, consts, attrs, names, tt_target, num_warps, num_stages)
+            kb = _compile(kernel, sig, consts, attrs, names, tt_target, num_warps, num_stages,
+                          options)
             _write_cached(key, kb)
         _MEMORY[key] = kb
         return kb
 
 
-def _compile(kernel, sig, consts, attrs, names, tt_target, num_warps, num_stages) -> KernelBinary:
+def _compile(kernel, sig, consts, attrs, names, tt_target, num_warps, num_stages,
+             options=None) -> KernelBinary:
     with _triton_cache():
         cc, _ = compiler.compile_for_target(kernel, signature=sig, constexprs=consts,
                                             attrs=attrs, target=tt_target,
-                                            num_warps=num_warps, num_stages=num_stages)
+                                            num_warps=num_warps, num_stages=num_stages,
+                                            options=options)
     md = cc.metadata
     scratch = {k: getattr(md, k, 0) or 0 for k in ("global_scratch_size", "profile_scratch_size")}
     if any(scratch.values()):
@@ -426,8 +430,9 @@ def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
 
 
 def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_aliases=None,
-           num_warps=4, num_stages=2, **constexprs):
-    """``kernel[grid](*arrays, *outs, **constexprs)`` as one FFI custom call; the outputs."""
+           num_warps=4, num_stages=2, compile_options=None, **constexprs):
+    """``kernel[grid](*arrays, *outs, **constexprs)`` as one FFI custom call; the outputs.
+    ``compile_options``: further options of Triton's compile (``compile_kernel``)."""
     for i, a in enumerate(arrays):
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"{kernel.__name__}: argument {i} is {type(a).__name__}; the native "
@@ -437,7 +442,7 @@ def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_ali
     register((_XLA_PLATFORMS[target.platform],))
     dtypes = [a.dtype for a in arrays] + [s.dtype for s in out_shapes]
     kb = compile_kernel(kernel, dtypes, constexprs, target, num_warps=num_warps,
-                        num_stages=num_stages)
+                        num_stages=num_stages, options=compile_options)
     call = jax.ffi.ffi_call(TARGET_NAME, out_shapes,
                             input_output_aliases=dict(input_output_aliases or {}))
     # A kernel compiled to wait on its predecessor (the ``PDL`` constexpr of jax_mla's kernels)

@@ -101,13 +101,17 @@ def _warn_fallback(missing: str) -> None:
 
 
 def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
-                input_output_aliases=None, num_warps=4, num_stages=2, **constexprs):
+                input_output_aliases=None, num_warps=4, num_stages=2, compile_options=None,
+                **constexprs):
     """Run ``kernel[grid](*args, *outs, **constexprs)``; returns the output arrays (a tuple).
 
     ``target``: a :class:`~jax_mla.problem.Target` or a platform name; ``launcher``: one of
     :data:`LAUNCHERS` (default :func:`resolve_launcher`'s). ``input_output_aliases`` maps the
     index of an argument to the output that reuses its buffer; the kernel still gets both
-    pointers (jax-triton's rule).
+    pointers (jax-triton's rule). ``compile_options``: further options of Triton's compile for
+    the target's backend (e.g. ``{"waves_per_eu": 1}`` on ROCm), used by the ahead-of-time
+    compile of the ``ffi`` launcher; options the backend does not have are an error there. The
+    interpreter and jax-triton take none (they run or compile without them).
     """
     target = as_target(target)
     launcher = resolve_launcher(target, launcher)
@@ -116,7 +120,8 @@ def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
     if launcher == "ffi":
         return ffi_launch.launch(kernel, args, grid=grid, out_shapes=out_shapes, target=target,
                                  input_output_aliases=aliases, num_warps=num_warps,
-                                 num_stages=num_stages, **constexprs)
+                                 num_stages=num_stages, compile_options=compile_options,
+                                 **constexprs)
     if launcher == "jax_triton":
         if not _jax_triton_installed():
             raise RuntimeError("launcher='jax_triton' needs jax-triton (pip install "
@@ -178,31 +183,16 @@ def _interpret_call(kernel, args, grid, out_shapes, aliases, constexprs):
     return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
 
-def ptxas_spills(ptx: str, arch: str = "sm_90a") -> int | None:
-    """Bytes of register spill stores and loads ptxas reports for ``ptx`` (no GPU needed).
+def ptxas_spills(ptx: str, arch: int = 90) -> int | None:
+    """Bytes of register spill stores and loads in ``ptx`` built for CUDA ``arch`` by the
+    installed Triton's own cubin step (its ptxas and flags: ``compiler.ptxas_stats``; no GPU
+    needed); ``None`` when that step cannot build it."""
+    from triton.backends.compiler import GPUTarget
 
-    Uses the ptxas that ships inside triton's NVIDIA backend, the newest one that accepts this PTX
-    (triton 3.9 ships two); ``None`` when none of them can.
-    """
-    import glob
-    import subprocess
-    import tempfile
-
-    import triton
-
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    for exe in sorted(glob.glob(os.path.join(bindir, "ptxas*")))[::-1]:
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            res = subprocess.run([exe, "-v", "--gpu-name", arch, path, "-o", path + ".cubin"],
-                                 capture_output=True, text=True)
-        if res.returncode == 0:
-            return sum(int(w) for line in res.stderr.splitlines() if "spill" in line
-                       for w, nxt in zip(line.split(), line.split()[1:])
-                       if nxt == "bytes" and w.isdigit())
-    return None
+    try:
+        return compiler.ptxas_stats(ptx, GPUTarget("cuda", arch, 32))["spills"]
+    except Exception:  # noqa: BLE001 - e.g. PTX newer than this Triton's ptxas
+        return None
 
 
 def _to_torch(buf):

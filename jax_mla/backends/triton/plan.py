@@ -17,7 +17,8 @@ Rules (measured figures behind them: ``benchmarks/results/h200/RESULTS.md``):
   elsewhere two 16-row head blocks that share each KV tile through L2.
 - A float32 cache (the exact path) takes 16-row programs on every GPU. CUDA: 16-token KV tiles,
   two stages, three programs an SM (:data:`CUDA_FP32_TILE`; the 64-row tile took 304 KiB of
-  shared memory).
+  shared memory). An fp8 cache's 16-row programs on CUDA take 16-token tiles at four stages
+  (:data:`CUDA_FP8_TILE`: the 32-token tile spilled in its conversion).
 - AMD Instinct has tiles of its own per architecture (:data:`ROCM_TILES`): at most 32 rows
   (16 for float32 caches), 4 warps, 16-token KV tiles, fitting gfx942's 64 KiB of LDS with no
   spills (float32 on gfx942 compiled with Triton's in-thread transpose off: ``compiler.py``).
@@ -61,6 +62,13 @@ GPU_TILES = {
 # fitting, not speed: unmeasured on the H200.
 CUDA_FP32_MAX_ROWS = 16
 CUDA_FP32_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 3}
+# fp8 caches on CUDA at 16 rows: 16-token KV tiles, 4 stages (the 16-bit tile's 32 tokens at 3
+# stages spilled 48-156 bytes at 255 registers under triton 3.9's ptxas, 12-16 under triton
+# 3.6's; the fp8 -> bf16 conversion of a 32-token tile is what overflows). sm_90a: 37 KiB,
+# 252-255 registers, no spills in any 16-row variant with either triton (``python -m
+# jax_mla.aot``). Chosen for fitting; its speed against the old tile is the device plan's
+# ``ab_fp8`` stage. The 64-row fp8 tile still spills (docs/aot.md).
+CUDA_FP8_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 4, "ctas_per_sm": 2}
 # The affine reduce at one head (``BLOCK_H = 1``) on CUDA takes twice the columns: ptxas 13.x
 # (triton 3.9, ``--regAllocOptLevel=2``) spilled 8 bytes at 32 registers for the narrow tiles
 # (4 x 32 at Q = 5, 8 x 16 at Q = 4 and 5); the wider ones compile without spills for Q = 1..8.
@@ -287,6 +295,7 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
     tuning = TritonTuning.from_env() if tuning is None else tuning
     rocm = target.platform == "rocm"
     fp32 = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize >= 4
+    fp8 = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
     cuda_fp32 = fp32 and target.platform == "cuda"
     max_rows = tuning.max_rows or MAX_ROWS
     if rocm and not tuning.max_rows:
@@ -314,6 +323,8 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
         tile = dict(rocm_tile(target.arch, block_m, fp32))
     elif cuda_fp32:
         tile = dict(CUDA_FP32_TILE)
+    elif fp8 and block_m <= 16:
+        tile = dict(CUDA_FP8_TILE)
     else:
         tile = dict(GPU_TILES[16 if block_m <= 16 else 64])
     tile.update(tuning.tile_overrides)

@@ -65,6 +65,12 @@ _P0 = gl.constexpr(3)  # warpgroup 0 published m0, rowsum(P0) and P0 (1 arrival)
 _P1 = gl.constexpr(4)  # warpgroup 1 published m1, rowsum(P1) and P1
 _QFREE = gl.constexpr(5)  # warpgroup 1 is done with this work's Q (1 arrival)
 _NUM_BARS = gl.constexpr(6)
+# Registers a thread of the worker partition (warpgroup 1) may keep: all of them. A program takes
+# 217 KiB of shared memory, so an SM runs one and nothing else could use registers the worker
+# gave back; at 232 (the earlier setting) the worker spilled 16-248 bytes under triton 3.9's
+# ptxas (CUDA 13, ``--regAllocOptLevel=2``), most where the head block is not a power of two
+# (``m // HB``); at 256 no variant spills with triton 3.6 or 3.9 (``python -m jax_mla.aot``).
+WORKER_REGS = gl.constexpr(256)
 
 
 @gluon.jit
@@ -430,4 +436,4 @@ def mla_decode_sm90_kernel(
                   qk_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr, sKn, sKr,
                   sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R, PAGE_SIZE,
                   TILE_IN_PAGE, L2_HINTS, NUM_PAGES))],
-        [4], [232])
+        [4], [WORKER_REGS])
