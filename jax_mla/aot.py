@@ -14,8 +14,9 @@ warps, stages) compile once; every ``(kernel, num_heads, qlen, dtypes)`` row is 
 
 Per binary: shared memory / LDS (Triton's metadata), registers and spills (CUDA: the ``-v``
 report of the installed Triton's own cubin step, its ptxas and flags; AMD: the AMDGPU metadata
-of the assembly, VGPRs counting AGPRs), and the programs an SM / CU holds at once (:func:`occupancy`). The exit status is 1
-when a row exceeds its target's :data:`LIMITS` (shared memory, registers) or spills at all.
+of the assembly, VGPRs counting AGPRs), and the programs an SM / CU holds at once
+(:func:`occupancy`). The exit status is 1 when a row exceeds its target's :data:`LIMITS`
+(shared memory, registers) or spills at all.
 
 These are compiles, not runs: a kernel that fits may still be slow, and nothing here needs (or
 touches) a GPU. Needs Triton's real compiler, so ``TRITON_INTERPRET`` must be unset.

@@ -108,4 +108,4 @@ def build_decode_metadata(
                        flat_capacity=flat_capacity, views=impl.views)
     if md.num_seqs == 0 or md.max_pages == 0:  # nothing to schedule: no kernel will run
         return md.replace(plan=plan)
-    return md.replace(plan=plan, schedule=impl.schedule(plan, md))
+    return md.replace(plan=plan, schedule=impl.schedule(plan, md, seq_lens=seq_lens))

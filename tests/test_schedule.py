@@ -394,28 +394,35 @@ def test_reduce_column_block_keeps_the_tile_size(block_s, want, monkeypatch):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(0, 400), min_size=1, max_size=20), st.sampled_from([1, 2, 3]),
+@given(st.lists(st.integers(-50, 450), min_size=1, max_size=20), st.sampled_from([1, 2, 3]),
        st.sampled_from([16, 32, 128]), st.integers(1, 40), st.sampled_from(PLAN_MODES),
        st.tuples(*[st.sampled_from([2, 4, 16])] * 3))
 @example([0, 0, 33], 1, 16, 3, "auto", (2, 2, 2))
 @example([4096] * 17, 1, 32, 16, "auto", (4, 4, 4))  # even pieces over more requests
+@example([-7, 401, 5], 1, 16, 4, "line", (2, 2, 2))  # clamped at both ends
 def test_the_planning_kernel_is_the_jnp_plan_bit_for_bit(lens, qlen, block_n, programs, mode,
                                                         chunks):
     """``plan_splits_kernel`` (one Triton program, run here by the interpreter) returns exactly
-    :func:`plan_splits`'s arrays, whatever the chunking of requests, programs and works."""
+    :func:`plan_splits`'s arrays, whatever the chunking of requests, programs and works; from
+    the lengths as given it also makes the metadata's clamped lengths and their offsets
+    (``paged.py``'s ``_build``: ``clip(seq_lens, 0, max_len)`` and its cumulative sum)."""
     from jax_mla.backends.triton.launch import triton_importable
     from jax_mla.backends.triton.schedule import plan_splits_kernel
     from jax_mla.problem import current_platform
 
     if not triton_importable(current_platform()):
         pytest.skip("triton cannot run here")
-    lens = np.asarray(lens, np.int32)
+    max_len = 400 if max(lens) <= 450 else None
+    raw = np.asarray(lens, np.int32)
+    lens = np.clip(raw, 0, max_len if max_len is not None else np.iinfo(np.int32).max)
     indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     kw = dict(qlen=qlen, block_n=block_n, num_programs=programs, mode=mode)
     want = plan_splits(lens, indptr, **kw)
-    got = plan_splits_kernel(lens, indptr, target=current_platform(), chunks=chunks, **kw)
+    got = plan_splits_kernel(raw, max_len=max_len, target=current_platform(), chunks=chunks,
+                             **kw)
     for name in ("work_indptr", "work_info_set", "num_works", "reduce_indptr",
-                 "reduce_final_map", "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr"):
+                 "reduce_final_map", "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr",
+                 "seq_lens", "kv_indptr"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)),
                                       np.asarray(getattr(want, name)), err_msg=name)
     assert (got.block_n, got.qlen, got.num_programs) == (want.block_n, want.qlen,
@@ -428,11 +435,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from jax_mla.kernels.triton import plan as pk
-names = ["seq_lens_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_info_ptr", "num_works_ptr",
+names = ["seq_lens_ptr", "work_indptr_ptr", "work_info_ptr", "num_works_ptr",
          "reduce_indptr_ptr", "final_map_ptr", "partial_map_ptr", "tiles_ptr", "tile_ptr_ptr",
-         "scratch_ptr"]
+         "lens_ptr", "kv_indptr_ptr", "scratch_ptr"]
 consts = dict(B=128, P=264, NT=128, QLEN=1, BLOCK_N=32, MODE=0, OVERHEAD=1, SLACK_NUM=1,
-              SLACK_DEN=16, EVEN_SLACK=1, GRID=128, CB=128, CP=128, CW=128)
+              SLACK_DEN=16, EVEN_SLACK=1, GRID=128, CB=128, CP=128, CW=128, MAX_LEN=4096)
 sig = dict.fromkeys(names, "*i32") | dict.fromkeys(consts, "constexpr")
 src = ASTSource(fn=pk.mla_plan_kernel, signature=sig, constexprs=consts,
                 attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
@@ -446,3 +453,47 @@ print(json.dumps(dict(shared=cc.metadata.shared, n_ptx=len(cc.asm["ptx"]))))
 def test_the_planning_kernel_compiles_for_sm90():
     r = run_compiler_script(PLAN_COMPILE, timeout=600)
     assert r["n_ptx"] > 0 and r["shared"] <= 227 * 1024, r
+
+
+def test_a_planned_triton_step_runs_its_three_kernels_and_nothing_else(rng):
+    """With the planning kernel, the step's lengths go to it as given: it clamps them and makes
+    their offsets, so the metadata's own clamp and cumulative sum are dead code XLA drops
+    (on a GPU: two kernel launches fewer a step). The compiled program holds the three
+    kernels' calls and no computation of XLA's; its output is the jnp planner's, bit for bit,
+    lengths out of range under jit included (clamped alike)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_mla
+    from jax_mla.backends.triton import TritonTuning
+    from jax_mla.backends.triton.launch import triton_importable
+    from jax_mla.problem import current_platform
+
+    if not triton_importable(current_platform()):
+        pytest.skip("triton cannot run here")
+    b, mp, ps, h = 3, 4, 16, 16
+    table = jnp.asarray(rng.permutation(b * mp).reshape(b, mp), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, h, 576)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((b * mp, ps, 576)), jnp.float32)
+
+    def step(planner):
+        def f(q, cache, table, lens):
+            md = jax_mla.build_decode_metadata(
+                table, lens, page_size=ps, num_heads=h, q=q, kv_cache=cache, backend="triton",
+                tuning=TritonTuning(planner=planner))
+            return jax_mla.mla_attention(q, cache, md, scale=0.1, backend="triton")
+        return jax.jit(f)
+
+    lens = jnp.asarray([5, 999, -3], jnp.int32)  # past the capacity (64), and negative
+    hlo = step("kernel").lower(q, cache, table, lens).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    ops = set(re.findall(r"= \S+ (\w[\w-]*)\(", entry))
+    assert ops <= {"parameter", "constant", "bitcast", "custom-call", "get-tuple-element",
+                   "tuple"}, ops
+    assert entry.count("custom-call(") == 3, entry
+    got = step("kernel")(q, cache, table, lens)
+    want = step("jnp")(q, cache, table, lens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.isfinite(np.asarray(got)).all()

@@ -82,8 +82,10 @@ class Backend:
                             f"{sorted(options) + (['tuning'] if tuning is not None else [])}")
         return DecodePlan(self.name, problem, problem.num_heads)
 
-    def schedule(self, plan: DecodePlan, metadata):
-        """The plan's arrays for one step (a pytree, jnp-built, jittable); None if it needs none."""
+    def schedule(self, plan: DecodePlan, metadata, *, seq_lens=None):
+        """The plan's arrays for one step (a pytree, jnp-built, jittable); None if it needs none.
+        ``seq_lens``: the step's lengths as the caller gave them, before the metadata's clamp
+        (None: not at hand), for a backend that computes the metadata's lengths itself."""
         return None
 
     def decode(self, q, kv_cache, metadata, *, plan: DecodePlan, scale: float, q_scale,

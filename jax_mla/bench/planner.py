@@ -48,15 +48,14 @@ def run(specs, path=None) -> list[dict]:
         ref = None
         row["variants"] = {}
         for name, (chunks, warps) in VARIANTS.items():
-            def fn(lens, indptr, chunks=chunks, warps=warps, kw=kw):
-                return plan_splits_kernel(lens, indptr, chunks=chunks, num_warps=warps, **kw)
+            def fn(lens, chunks=chunks, warps=warps, kw=kw):
+                return plan_splits_kernel(lens, chunks=chunks, num_warps=warps, **kw)
 
-            indptr = md.paged_kv_indptr
-            got = jax.jit(fn)(md.seq_lens, indptr)
+            got = jax.jit(fn)(md.seq_lens)
             flat = [np.asarray(x) for x in jax.tree.leaves(got)]
             ref = flat if ref is None else ref
             exact = all(np.array_equal(a, b) for a, b in zip(flat, ref))
-            k = profile.kernel_times(fn, md.seq_lens, indptr)
+            k = profile.kernel_times(fn, md.seq_lens)
             row["variants"][name] = {"gpu_us": k["gpu_us"], "launches": k["launches"],
                                      "exact": exact}
         print(json.dumps(row), flush=True)

@@ -96,9 +96,10 @@ class AiterBackend(Backend):
             raise TypeError("backend='aiter' takes no tuning object; pass AITER's options")
         return make_plan(self.name, problem, **options)
 
-    def schedule(self, plan: AiterPlan, metadata, **arrays):
+    def schedule(self, plan: AiterPlan, metadata, *, seq_lens=None, **arrays):
         """The route's arrays; ``arrays``: ``dcp_rank``, ``cp_interleave``,
-        ``dcp_tot_seq_lens``, ``live`` (see ``schedule.build_schedule``)."""
+        ``dcp_tot_seq_lens``, ``live`` (see ``schedule.build_schedule``). ``seq_lens`` (the
+        lengths before the metadata's clamp) is not used: AITER's planners read the metadata."""
         return build_schedule(plan, metadata, **arrays)
 
     def decode(self, q, kv_cache, metadata, *, plan: AiterPlan, scale, q_scale, kv_scale,

@@ -45,14 +45,20 @@ class TritonBackend(Backend):
             raise TypeError(f"tuning must be a TritonTuning, got {type(tuning).__name__}")
         return make_plan(self.name, problem, tuning)
 
-    def schedule(self, plan: TritonPlan, metadata):
+    def schedule(self, plan: TritonPlan, metadata, *, seq_lens=None):
         """The split schedule (``schedule.SplitSchedule``) the plan's kernels walk: one Triton
-        program (``plan.planner == "kernel"``) or XLA ops, the same arrays either way."""
+        program (``plan.planner == "kernel"``) or XLA ops, the same arrays either way.
+
+        The planning program also clamps the lengths and computes their offsets (the schedule's
+        ``seq_lens`` and ``kv_indptr``, which the decode kernels read): from ``seq_lens``, the
+        step's lengths as the caller gave them, where given, so that the metadata's own clamp
+        and cumulative sum are left unused and XLA drops them (two kernels fewer a step)."""
         kw = dict(qlen=metadata.qlen, block_n=plan.kernel.block_n,
                   num_programs=plan.num_programs, num_head_blocks=plan.kernel.num_head_blocks,
                   mode=plan.split_mode)
         if plan.planner == "kernel":
-            return plan_splits_kernel(metadata.seq_lens, metadata.paged_kv_indptr,
+            lens = metadata.seq_lens if seq_lens is None else seq_lens
+            return plan_splits_kernel(lens, max_len=metadata.max_pages * metadata.page_size,
                                       target=plan.problem.target, launcher=plan.launcher,
                                       **kw)
         return plan_splits(metadata.seq_lens, metadata.paged_kv_indptr, **kw)

@@ -73,6 +73,10 @@ class SplitSchedule:
         tail -1. The reduce runs one tile per entry: P programs cut at most P - 1 requests.
       reduce_tile_ptr: ``[len(reduce_tiles), 2]`` int32: ``reduce_indptr[t], reduce_indptr[t + 1]``
         of each listed request ``t`` (``0, 0`` in the tail): its partials, read in one load.
+      seq_lens, kv_indptr: ``[B]`` and ``[B + 1]`` int32, the lengths the plan was made for
+        (clamped as the metadata's) and their offsets, the ``paged_kv_indptr`` the works'
+        ``kv_start`` / ``kv_end`` index: the decode kernels read these, so where the planning
+        kernel computes them, XLA computes nothing else for the step (None: not given).
       block_n: static KV tile; every work starts on a multiple of it.
       num_head_blocks, qlen: static shape the plan was made for.
     """
@@ -85,6 +89,8 @@ class SplitSchedule:
     reduce_partial_map: jax.Array
     reduce_tiles: jax.Array
     reduce_tile_ptr: jax.Array
+    seq_lens: jax.Array | None = None
+    kv_indptr: jax.Array | None = None
     block_n: int = 64
     num_head_blocks: int = 1
     qlen: int = 1
@@ -101,7 +107,8 @@ class SplitSchedule:
 jax.tree_util.register_dataclass(
     SplitSchedule,
     data_fields=["work_indptr", "work_info_set", "num_works", "reduce_indptr", "reduce_final_map",
-                 "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr"],
+                 "reduce_partial_map", "reduce_tiles", "reduce_tile_ptr", "seq_lens",
+                 "kv_indptr"],
     meta_fields=["block_n", "num_head_blocks", "qlen"],
 )
 
@@ -255,6 +262,8 @@ def plan_splits(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_bl
         reduce_partial_map=partial_map,
         reduce_tiles=tiles,
         reduce_tile_ptr=tile_ptr.astype(jnp.int32),
+        seq_lens=seq_lens,
+        kv_indptr=jnp.asarray(kv_indptr).astype(jnp.int32),
         block_n=block_n,
         num_head_blocks=num_head_blocks,
         qlen=qlen,
@@ -275,11 +284,15 @@ def default_plan_chunks(num_seqs: int, num_programs: int) -> tuple[int, int, int
             min(512, max(16, pow2(num_programs + num_seqs))))
 
 
-def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_head_blocks=1,
-                       mode="auto", target="cuda", launcher=None,
+def plan_splits_kernel(seq_lens, *, qlen, block_n, num_programs, num_head_blocks=1,
+                       mode="auto", max_len=None, target="cuda", launcher=None,
                        chunks=None, num_warps=8) -> SplitSchedule:
     """:func:`plan_splits` as one Triton program (``kernels/triton/plan.py``): the same arrays,
     bit for bit, in a single launch instead of XLA's chain of small kernels.
+
+    ``seq_lens``: the lengths as given; the program clamps them into ``[0, max_len]`` (None: no
+    upper bound), as the metadata's ``seq_lens``, and computes their offsets
+    (``paged_kv_indptr``) itself: the schedule's ``seq_lens`` and ``kv_indptr``.
 
     ``chunks``: requests, programs and works a program handles at once (powers of two; by
     default :func:`default_plan_chunks`);
@@ -294,19 +307,22 @@ def plan_splits_kernel(seq_lens, kv_indptr, *, qlen, block_n, num_programs, num_
     cap, nt = p + b, max(1, min(b, p - 1))
     i32 = jnp.int32
     shapes = [((p + 1,), i32), ((cap, 8), i32), ((1,), i32), ((b + 1,), i32), ((b, 2), i32),
-              ((cap,), i32), ((nt,), i32), ((nt, 2), i32),
+              ((cap,), i32), ((nt,), i32), ((nt, 2), i32), ((b,), i32), ((b + 1,), i32),
               ((plan_kernel.scratch_size(b, p),), i32)]
     cb, cp, cw = chunks or default_plan_chunks(b, p)
+    max_len = jnp.iinfo(jnp.int32).max if max_len is None else int(max_len)
     outs = triton_call(
-        plan_kernel.mla_plan_kernel, seq_lens.astype(i32), kv_indptr.astype(i32),
+        plan_kernel.mla_plan_kernel, jnp.asarray(seq_lens).astype(i32),
         grid=(1,), out_shapes=[jax.ShapeDtypeStruct(s, d) for s, d in shapes],
         target=target, launcher=launcher, num_warps=num_warps, num_stages=1,
         B=b, P=p, NT=nt, QLEN=qlen, BLOCK_N=block_n, MODE=_MODE_IDS[mode],
         OVERHEAD=OVERHEAD_BLOCKS, SLACK_NUM=NO_SPLIT_SLACK[0], SLACK_DEN=NO_SPLIT_SLACK[1],
-        EVEN_SLACK=EVEN_SLACK_BLOCKS, GRID=_GRID, CB=cb, CP=cp, CW=cw)
-    work_indptr, info, num_works, reduce_indptr, final_map, partial_map, tiles, tile_ptr, _ = outs
+        EVEN_SLACK=EVEN_SLACK_BLOCKS, GRID=_GRID, CB=cb, CP=cp, CW=cw, MAX_LEN=max_len)
+    (work_indptr, info, num_works, reduce_indptr, final_map, partial_map, tiles, tile_ptr, lens,
+     kv_indptr, _) = outs
     return SplitSchedule(
         work_indptr=work_indptr, work_info_set=info, num_works=num_works,
         reduce_indptr=reduce_indptr, reduce_final_map=final_map,
         reduce_partial_map=partial_map, reduce_tiles=tiles, reduce_tile_ptr=tile_ptr,
-        block_n=block_n, num_head_blocks=num_head_blocks, qlen=qlen)
+        seq_lens=lens, kv_indptr=kv_indptr, block_n=block_n,
+        num_head_blocks=num_head_blocks, qlen=qlen)

@@ -41,15 +41,18 @@ def _pick(vec, offs, i):
 
 @triton.jit
 def mla_plan_kernel(
-    seq_lens_ptr, kv_indptr_ptr,
+    seq_lens_ptr,
     work_indptr_ptr, work_info_ptr, num_works_ptr, reduce_indptr_ptr, final_map_ptr,
-    partial_map_ptr, tiles_ptr, tile_ptr_ptr, scratch_ptr,
+    partial_map_ptr, tiles_ptr, tile_ptr_ptr, lens_ptr, kv_indptr_ptr, scratch_ptr,
     B: tl.constexpr, P: tl.constexpr, NT: tl.constexpr, QLEN: tl.constexpr,
     BLOCK_N: tl.constexpr, MODE: tl.constexpr, OVERHEAD: tl.constexpr, SLACK_NUM: tl.constexpr,
     SLACK_DEN: tl.constexpr, EVEN_SLACK: tl.constexpr, GRID: tl.constexpr, CB: tl.constexpr,
-    CP: tl.constexpr, CW: tl.constexpr,
+    CP: tl.constexpr, CW: tl.constexpr, MAX_LEN: tl.constexpr = 2147483647,
 ):
-    """``MODE``: 0 auto, 1 line, 2 even. Scratch (int32, :func:`scratch_size`): ``[0, B)``
+    """``MODE``: 0 auto, 1 line, 2 even. ``seq_lens_ptr``: the lengths as given; the kernel
+    clamps them into ``[0, MAX_LEN]`` and writes them (``lens_ptr [B]``) with their offsets
+    (``kv_indptr_ptr [B + 1]``), the metadata's ``seq_lens`` and ``paged_kv_indptr``, so that
+    no other kernel of the step computes them. Scratch (int32, :func:`scratch_size`): ``[0, B)``
     request starts, ``[B, 2B)`` blocks, ``[2B, 3B)`` pieces ``k``, ``[3B, 4B)`` cumulative pieces,
     ``[4B, 5B + 1)`` each request's first work (its rank), then per program the line cuts, the
     whole-request cuts, the even cuts and the final cuts (``P`` each), then per work its unit
@@ -83,12 +86,17 @@ def mla_plan_kernel(
     # Requests: blocks, starts on the cost line, the total, and the even plan's bounds.
     zero = tl.zeros([], tl.int32)
     carry = zero
+    tokens = zero
     sum_blocks = zero
     max_blocks = zero
+    tl.store(kv_indptr_ptr, zero)
     for c in range(0, B, CB):
         i = c + ob
         m = i < B
-        n = tl.load(seq_lens_ptr + i, mask=m, other=0)
+        n = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + i, mask=m, other=0), 0), MAX_LEN)
+        tl.store(lens_ptr + i, n, mask=m)
+        tl.store(kv_indptr_ptr + 1 + i, tl.cumsum(n, axis=0) + tokens, mask=m)
+        tokens = tokens + tl.sum(n, axis=0)
         blocks = (n + BLOCK_N - 1) // BLOCK_N
         cost = tl.where(m, blocks + OVERHEAD, 0)
         ends = tl.cumsum(cost, axis=0) + carry
@@ -311,7 +319,7 @@ def mla_plan_kernel(
         u1 = tl.load(scratch_ptr + S_U0 + w + 1, mask=w + 1 < n_works, other=total)
         r = tl.load(scratch_ptr + S_R + w, mask=valid, other=B - 1)
         st = tl.load(scratch_ptr + S_START + r)
-        n = tl.load(seq_lens_ptr + r)
+        n = tl.load(lens_ptr + r)
         lo_kv = tl.minimum(tl.maximum(u0 - st - OVERHEAD, 0) * BLOCK_N, n)
         hi_kv = tl.minimum(tl.maximum(u1 - st - OVERHEAD, 0) * BLOCK_N, n)
         first_w = tl.load(scratch_ptr + S_RANK + r)
