@@ -25,6 +25,8 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   or ``jax_triton``.
 - ``JAX_MLA_TRITON_PDL=1``: programmatic dependent launch of the Triton decode and reduce kernels
   on Hopper (off by default).
+- ``JAX_MLA_TRITON_FP8_F16=1``: an fp8 cache's products in float16 rather than bf16 (CUDA; off
+  by default).
 - ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
 - ``JAX_MLA_CACHE_DIR``: where compiled kernels are kept (default ``~/.cache/jax_mla``).
 - ``JAX_MLA_AITER_SMALL_HEAD_MODE``: AITER below 16 heads, ``auto`` (default), ``gluon``, ``asm``.
@@ -67,7 +69,8 @@ ENV_VARS = (
     "JAX_MLA_TRITON_WG_SPLIT", "JAX_MLA_TRITON_SM90_KERNEL", "JAX_MLA_TRITON_L2_HINTS",
     "JAX_MLA_TRITON_AFFINE_REDUCE", "JAX_MLA_TRITON_REDUCE_BLOCK_S",
     "JAX_MLA_TRITON_REDUCE_BLOCK_L", "JAX_MLA_SPLIT_PLAN", "JAX_MLA_TRITON_PLANNER",
-    "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_TRITON_PDL", "JAX_MLA_FFI_LIBRARY", "JAX_MLA_CACHE_DIR",
+    "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_TRITON_PDL", "JAX_MLA_TRITON_FP8_F16",
+    "JAX_MLA_FFI_LIBRARY", "JAX_MLA_CACHE_DIR",
     "JAX_MLA_AITER_SMALL_HEAD_MODE",
     "JAX_MLA_POISON_OUTPUTS", "TRITON_INTERPRET",
     "JAX_MLA_COORDINATOR", "JAX_MLA_NUM_PROCESSES", "JAX_MLA_PROCESS_ID",

@@ -5,6 +5,8 @@ Each case: fresh random inputs, a permuted block table whose unused entries poin
 inputs. Kernels interpreted on CPU also see NaN-poisoned output buffers.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,37 @@ def test_fp8_query_with_scale(rng, backend):
     out, lse, wo, wl = run(case, backend, jnp.bfloat16, q_dtype=jnp.float8_e4m3fn, q_scale=0.02,
                            kv_dtype=jnp.float8_e4m3fn, kv_scale=0.05)
     check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no triton backend here")
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_cache_float16_products_keep_every_query_row(rng, monkeypatch, kv_dtype):
+    """An fp8 cache's products run in float16 (``F16_MMA``; the interpreter runs the same path):
+    query rows far past float16's range (|q| ~ 3e5), deep in its subnormals (~1e-6), zero, and
+    ordinary, each scaled by its own power of two, give the oracle's result; the bf16 products
+    (``JAX_MLA_TRITON_FP8_F16=0``) agree."""
+    from jax_mla.backends.triton import decode as tdecode
+
+    case = make_case(rng, seq_lens=[40, 17], qlen=2, num_heads=4, page_size=16, scale=0.02)
+    q = case.q.copy()
+    q[0, 0] *= 3e5 / np.abs(q[0, 0]).max()  # past float16's 65504
+    q[1, 1] *= 1e-6  # float16 subnormals
+    q[2, 2] = 0.0  # a zero row: uniform attention
+    q[3, 3, :5] = 6e4  # a few large components beside ordinary ones
+    case = dataclasses.replace(case, q=q)
+    seen = []
+    real = tdecode.decode_constexprs
+    monkeypatch.setattr(tdecode, "decode_constexprs",
+                        lambda *a, **k: seen.append(k.get("f16_mma")) or real(*a, **k))
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("JAX_MLA_TRITON_FP8_F16", flag)
+        out, lse, wo, wl = run(case, "triton", jnp.bfloat16, kv_dtype=jnp.dtype(kv_dtype),
+                               kv_scale=0.5)
+        check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+        outs[flag] = np.asarray(out, np.float32)
+    assert seen == [True, False], seen
+    np.testing.assert_allclose(outs["1"], outs["0"], rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("L,R", [(32, 16), (256, 64), (448, 64)])

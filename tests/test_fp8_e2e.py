@@ -40,13 +40,16 @@ FP8 = [pytest.param(E4M3, id="e4m3fn"), pytest.param(E5M2, id="e5m2")]
 # Against the bf16 step the fp8 errors are the same to 5e-4. Decode rows read every key from the
 # cache; prefill rows read only their context there (their own tokens come unquantised), unless
 # prefill_fp8 quantises them too. e4m3 keeps 3 mantissa bits (round trip <= 2^-4 relative), e5m2
-# two (2^-3). The bounds are ~1.4x the largest measured.
+# two (2^-3). The bounds are ~1.4x the largest measured; with an fp8 query too (``True``), the
+# tiny steps' few decode rows make a long tail: over 40 seeded draws of the mixed step the error
+# reached 0.057 (e4m3) and 0.102 (e5m2), and one unseeded e5m2 draw 0.156 (the XLA reference on
+# the same values alike), so those two are ~2x the seeded maxima.
 TOL = {
     ("bf16", False): 7e-3,
     (E4M3, False): 6e-2,
-    (E4M3, True): 7e-2,
+    (E4M3, True): 1.1e-1,
     (E5M2, False): 1.2e-1,
-    (E5M2, True): 1.4e-1,
+    (E5M2, True): 2.0e-1,
 }
 
 

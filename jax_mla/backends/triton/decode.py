@@ -37,6 +37,15 @@ def _sm90_kernels():
     return decode_sm90
 
 
+def fp8_f16_mma(plan: TritonPlan, q_dtype, kv_dtype) -> bool:
+    """Whether the Triton kernel runs an fp8 cache's products in float16 (``F16_MMA``): a bf16
+    query (an fp8 one is dequantised to bf16 first) against an fp8 cache, on CUDA and in the
+    interpreter, where ``TritonTuning.fp8_f16`` asks for it. Not on ROCm (unmeasured there)."""
+    q_bf16 = is_fp8(q_dtype) or jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16)
+    return (bool(plan.tuning is not None and plan.tuning.fp8_f16) and is_fp8(kv_dtype) and q_bf16
+            and (plan.interpret or plan.problem.target.platform == "cuda"))
+
+
 def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale):
     """``q [T, H, D]`` -> ``(out [T, H, L] in q's dtype (bf16 for fp8 q), lse [T, H] float32)``."""
     cfg = plan.kernel
@@ -50,7 +59,9 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     kv = kv_cache.reshape(-1, d)
     has_scale = kv_scale is not None
     kv_scale_arr = jnp.asarray(1.0 if kv_scale is None else kv_scale, jnp.float32).reshape(1)
-    upcast = plan.interpret
+    f16_mma = fp8_f16_mma(plan, q.dtype, kv_cache.dtype)
+    # The interpreter's 16-bit dots: float16 is exact there, bf16 is not (upcast to float32).
+    upcast = plan.interpret and not f16_mma
     prow = sched.max_works * md.qlen
     shape = dict(num_heads=h, qlen=md.qlen, page_size=md.page_size, max_pages=md.max_pages,
                  kv_lora_rank=lr, rope_dim=rd, scale=scale, num_pages=kv_cache.shape[0])
@@ -60,7 +71,8 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     else:
         kernel = _kernels().mla_decode_kernel
         consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,
-                                   ieee=(not upcast) and jnp.dtype(q.dtype) == jnp.float32)
+                                   ieee=(not upcast) and jnp.dtype(q.dtype) == jnp.float32,
+                                   f16_mma=f16_mma)
     f32 = jnp.float32
     out, lse, part_out, part_lse = triton_call(
         kernel,
@@ -95,7 +107,7 @@ def _problem_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pa
 
 def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
                       rope_dim, scale, has_kv_scale=False, upcast=False, ieee=False,
-                      num_pages=None) -> dict:
+                      num_pages=None, f16_mma=False) -> dict:
     """The Triton decode kernel's compile-time arguments for tile ``cfg`` and one problem."""
     return _problem_constexprs(
         cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
@@ -103,7 +115,7 @@ def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_page
         BLOCK_M=cfg.block_m, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(rope_dim),
         BLOCK_N=cfg.block_n, TILE_IN_PAGE=page_size % cfg.block_n == 0,
         HAS_KV_SCALE=has_kv_scale, UPCAST=upcast, IEEE=ieee, WG_SPLIT=cfg.wg_split,
-        PDL=cfg.pdl)
+        PDL=cfg.pdl, F16_MMA=f16_mma)
 
 
 def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,

@@ -125,7 +125,12 @@ class TritonTuning:
     ``jax_triton`` or ``auto`` (``launch.resolve_launcher``). ``pdl``: programmatic dependent
     launch of the Triton decode and reduce kernels on Hopper (each may be launched while the
     kernel before it finishes, and waits for it before touching memory; off until measured:
-    ``python -m jax_mla.bench.session ab_pdl``).
+    ``python -m jax_mla.bench.session ab_pdl``). ``fp8_f16``: an fp8 cache's products in float16
+    on CUDA (and the interpreter): the cache converts to float16 in one instruction a pair, to
+    bf16 in about four; bf16 query rows are scaled by a power of two each to fit float16 exactly
+    (``kernels/triton/decode.py``, ``_to_f16_rows``). Off by default: with it the 16-row tile
+    spills 8-36 bytes under triton 3.9 unless at 8 warps, and its speed is unmeasured
+    (``python -m jax_mla.bench.session ab_fp8``).
     """
 
     block_n: int | None = None
@@ -144,6 +149,7 @@ class TritonTuning:
     planner: str = "auto"
     launcher: str = "auto"
     pdl: bool = False
+    fp8_f16: bool = False
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -173,6 +179,7 @@ class TritonTuning:
             planner=env.read_choice("JAX_MLA_TRITON_PLANNER", PLANNERS, "auto"),
             launcher=env.read_choice("JAX_MLA_TRITON_LAUNCHER", LAUNCHERS, "auto"),
             pdl=env.read_flag("JAX_MLA_TRITON_PDL", False),
+            fp8_f16=env.read_flag("JAX_MLA_TRITON_FP8_F16", False),
         )
 
     @property

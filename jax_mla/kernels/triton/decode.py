@@ -95,11 +95,13 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
             L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
             EVEN_L: tl.constexpr, EVEN_R: tl.constexpr, MASKED: tl.constexpr,
-            UPCAST: tl.constexpr, IEEE: tl.constexpr, NUM_PAGES: tl.constexpr):
+            UPCAST: tl.constexpr, IEEE: tl.constexpr, NUM_PAGES: tl.constexpr,
+            ROW_SCALE: tl.constexpr):
     """Online softmax of the query rows over KV positions ``lo .. hi`` (tiles of BLOCK_N).
 
     Unmasked (``MASKED`` false): every position of every tile is below ``hi`` and below every
     row's causal bound, so there is no mask and the running max is finite after one tile.
+    ``ROW_SCALE``: ``qk_scale`` is one factor a row (``[BLOCK_M]``, see ``F16_MMA``).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, BLOCK_L)
@@ -122,7 +124,10 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
             k_nope = k_nope.to(q_nope.dtype)
             k_pe = k_pe.to(q_pe.dtype)
         s = _dot(q_nope, tl.trans(k_nope), _dot0(q_pe, tl.trans(k_pe), IEEE), IEEE)
-        s = s * qk_scale
+        if ROW_SCALE:
+            s = s * qk_scale[:, None]
+        else:
+            s = s * qk_scale
         if MASKED:
             s = tl.where(pos[None, :] < bound[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -140,6 +145,29 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
 
 
 @triton.jit
+def _to_f16_rows(q_nope, q_pe, qk_scale):
+    """bf16 query rows as float16 for float16 products with an fp8 cache (``F16_MMA``), and the
+    score factor of each row.
+
+    An fp8 e4m3 value is exact in float16 and converts in one instruction per pair
+    (``cvt.rn.f16x2.e4m3x2``); converting it to bf16 takes about four. A bf16 row is exact in
+    float16 too once scaled so that its largest magnitude lies in ``[2^13, 2^14)``: each row is
+    multiplied by a power of two ``2^-e`` (exact), and ``2^e`` goes into the row's score factor.
+    Components below ``2^-28`` of the row's largest lose bits as float16 subnormals; a zero row
+    keeps ``e = 0``; Inf and NaN stay what they were.
+    """
+    a = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), axis=1),
+                   tl.max(tl.abs(q_pe.to(tl.float32)), axis=1))
+    expo = ((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127  # floor(log2(a)), a normal
+    e = tl.where(a > 0.0, tl.minimum(tl.maximum(expo - 13, -100), 100), 0)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)  # 2^e
+    q_nope = (q_nope.to(tl.float32) * down[:, None]).to(tl.float16)
+    q_pe = (q_pe.to(tl.float32) * down[:, None]).to(tl.float16)
+    return q_nope, q_pe, qk_scale * up
+
+
+@triton.jit
 def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale, kv_scale,
                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                  H: tl.constexpr, MAX_PAGES: tl.constexpr, Q: tl.constexpr, HB: tl.constexpr,
@@ -147,7 +175,7 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
                  BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
                  HAS_KV_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 L2_HINTS: tl.constexpr, NUM_PAGES: tl.constexpr):
+                 L2_HINTS: tl.constexpr, NUM_PAGES: tl.constexpr, F16_MMA: tl.constexpr):
     """Work ``w`` (one KV range of one request) for head block ``hb``."""
     D: tl.constexpr = L + R
     EVEN_L: tl.constexpr = BLOCK_L == L
@@ -175,6 +203,8 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
     if UPCAST:
         q_nope = q_nope.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+    if F16_MMA:
+        q_nope, q_pe, qk_scale = _to_f16_rows(q_nope, q_pe, qk_scale)
     # Row t sees positions < seq - Q + t + 1 (right-aligned causal verify block).
     bound = seq - Q + t + 1
 
@@ -186,10 +216,10 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
     full = lo + (tl.maximum(tl.minimum(hi, seq - Q + 1) - lo, 0) // BLOCK_N) * BLOCK_N
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, full, bound,
                             qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
-                            EVEN_L, EVEN_R, False, UPCAST, IEEE, NUM_PAGES)
+                            EVEN_L, EVEN_R, False, UPCAST, IEEE, NUM_PAGES, F16_MMA)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, full, hi, bound,
                             qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
-                            EVEN_L, EVEN_R, True, UPCAST, IEEE, NUM_PAGES)
+                            EVEN_L, EVEN_R, True, UPCAST, IEEE, NUM_PAGES, F16_MMA)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -239,7 +269,7 @@ def mla_decode_kernel(
     PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, WG_SPLIT: tl.constexpr = False,
     L2_HINTS: tl.constexpr = False, NUM_PAGES: tl.constexpr = 2147483647,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16_MMA: tl.constexpr = False,
 ):
     # WG_SPLIT is read by the compiler wrapper, not here: on CUDA it splits the score tile's
     # columns between the two warpgroups of a 64-row, 8-warp program (backends/triton/compiler.py).
@@ -260,7 +290,7 @@ def mla_decode_kernel(
         _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale, kv_scale,
                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H, MAX_PAGES, Q, HB, BLOCK_M,
                      L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE, HAS_KV_SCALE,
-                     UPCAST, IEEE, L2_HINTS, NUM_PAGES)
+                     UPCAST, IEEE, L2_HINTS, NUM_PAGES, F16_MMA)
     _release_successor(PDL)
 
 
