@@ -42,7 +42,7 @@ PREFILL_DQK, PREFILL_DV = 192, 128  # DeepSeek's prefill head dims
 PAGE_SIZE, MAX_PAGES = 64, 64  # the block table of the traced steps (4096 tokens a request)
 HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 QLENS = tuple(range(1, 9))
-DTYPES = ("bf16", "fp16", "fp8", "fp32")
+DTYPES = ("bf16", "fp16", "fp8", "fp8q", "fp32")  # fp8: bf16 queries, fp8q: fp8 ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +149,11 @@ def make_target(name: str):
 
 
 def cache_dtype(target_name: str, dtype: str):
-    """The jnp cache dtype for ``bf16``, ``fp16``, ``fp8`` (the target's flavour) or ``fp32``."""
+    """The jnp cache dtype for ``bf16``, ``fp16``, ``fp8`` / ``fp8q`` (the target's flavour) or
+    ``fp32``."""
     import jax.numpy as jnp
 
-    if dtype == "fp8":
+    if dtype in ("fp8", "fp8q"):
         return jnp.dtype(LIMITS[target_name].fp8)
     return jnp.dtype({"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[dtype])
 
@@ -165,8 +166,10 @@ def _short(dtype) -> str:
         name, name.replace("float8_", "fp8"))
 
 
-def _decode_launches(target, heads: int, qlen: int, dtype, batch: int) -> list[Job]:
-    """The launches of one decode/verify step: planning kernel, decode kernel, reduce."""
+def _decode_launches(target, heads: int, qlen: int, dtype, batch: int,
+                     fp8_query: bool = False) -> list[Job]:
+    """The launches of one decode/verify step: planning kernel, decode kernel, reduce.
+    ``fp8_query``: an fp8 query (with its scale) against the fp8 cache, else a bf16 one."""
     import jax
     import jax.numpy as jnp
 
@@ -175,7 +178,7 @@ def _decode_launches(target, heads: int, qlen: int, dtype, batch: int) -> list[J
     from jax_mla.cache import is_fp8
 
     fp8 = is_fp8(dtype)
-    q_dtype = jnp.bfloat16 if fp8 else dtype  # an fp8 cache is read with bf16 queries
+    q_dtype = (dtype if fp8_query else jnp.bfloat16) if fp8 else dtype
     tuning = dataclasses.replace(TritonTuning.from_env(), launcher="ffi")
     S = jax.ShapeDtypeStruct
 
@@ -184,7 +187,8 @@ def _decode_launches(target, heads: int, qlen: int, dtype, batch: int) -> list[J
             block_table, seq_lens, page_size=PAGE_SIZE, qlen=qlen, num_heads=heads, q=q,
             kv_cache=cache, backend="triton", target=target, tuning=tuning)
         return jax_mla.mla_attention(q, cache, md, scale=0.1, backend="triton",
-                                     kv_scale=jnp.float32(0.5) if fp8 else None)
+                                     kv_scale=jnp.float32(0.5) if fp8 else None,
+                                     q_scale=jnp.float32(0.25) if fp8_query else None)
 
     with _Recorder().patched() as rec:
         jax.eval_shape(step, S((batch * qlen, heads, KV_LORA_RANK + ROPE_DIM), q_dtype),
@@ -234,7 +238,7 @@ def variants(target_name: str, heads=HEADS, qlens=QLENS, dtypes=DTYPES, batch: i
     ``batch``: requests per decode step (it sizes the planning kernel and the reduce's chunk).
     """
     target = make_target(target_name)
-    dtypes = [d for d in dtypes if d != "fp8" or LIMITS[target_name].fp8]
+    dtypes = [d for d in dtypes if not d.startswith("fp8") or LIMITS[target_name].fp8]
     out = []
 
     def add(job, heads, qlen, dtypes_label):
@@ -250,8 +254,10 @@ def variants(target_name: str, heads=HEADS, qlens=QLENS, dtypes=DTYPES, batch: i
         label = f"{'bf16' if name == 'fp8' else _short(kv)}/{_short(kv)}"
         for qlen in qlens:
             for h in heads:
-                for job in _decode_launches(target, h, qlen, kv, batch):
+                for job in _decode_launches(target, h, qlen, kv, batch, name == "fp8q"):
                     add(job, h, qlen, label)
+        if name == "fp8q":
+            continue  # prefill has no fp8-query form of its own (fp8 rows above)
         for h in heads:
             for causal in (True, False):
                 for job in _prefill_launches(target, h, kv, causal):

@@ -135,11 +135,15 @@ def test_sm90_gluon_kernel_fits():
 @needs_cuda
 def test_sm90_fp8_16_row_tile_fits():
     """An fp8 cache at 16 rows or fewer (1-16 heads at Q = 1, verify at few heads): 16-token KV
-    tiles at four stages (``plan.CUDA_FP8_TILE``) convert to bf16 without spilling."""
-    rows = check_fits("sm_90", "--heads", "1,4,16", "--qlen", "1", "--dtypes", "fp8",
+    tiles at four stages (``plan.CUDA_FP8_TILE``) convert to bf16 without spilling, and an fp8
+    query's fp8 products (``fp8q``) fit too."""
+    rows = check_fits("sm_90", "--heads", "1,4,16", "--qlen", "1", "--dtypes", "fp8,fp8q",
                       kernels={"decode", "reduce", "plan"})
-    rows += check_fits("sm_90", "--heads", "1,4", "--qlen", "3,4", "--dtypes", "fp8",
+    rows += check_fits("sm_90", "--heads", "1,4", "--qlen", "3,4", "--dtypes", "fp8,fp8q",
                        kernels={"verify", "reduce", "plan"})
+    # bf16 queries, and fp8 ones multiplied as they are (FP8_QK)
+    assert {r["dtypes"].split("/")[0] for r in rows if r["kernel"] == "decode"} == {
+        "bf16", "fp8e4m3fn"}
     tiles = {(r["config"]["BLOCK_M"], r["config"]["BLOCK_N"], r["config"]["num_stages"])
              for r in rows if r["kernel"] in ("decode", "verify")}
     assert tiles == {(16, 16, 4)}, tiles

@@ -78,6 +78,7 @@ def test_shape_parse_reads_the_gpu_scripts_specs():
     assert Shape.parse("1,128,1024") == Shape(1, 128, 1024)
     assert Shape.parse("8,16,512,2,1") == Shape(8, 16, 512, qlen=2, page=1)
     assert Shape.parse("8,128,512,1,64,fp8") == Shape(8, 128, 512, kv="fp8")
+    assert Shape.parse("8,128,512,1,64,fp8q") == Shape(8, 128, 512, kv="fp8q")
     with pytest.raises(ValueError, match="B,H,S"):
         Shape.parse("64,16")
     with pytest.raises(ValueError, match="KV"):
@@ -157,6 +158,24 @@ def _fake_flashmla():
 
     return types.SimpleNamespace(get_mla_metadata=get_mla_metadata,
                                  flash_mla_with_kvcache=flash_mla_with_kvcache)
+
+
+def test_ab_times_fp8_queries_multiplied_as_they_are_and_dequantised(tmp_path):
+    """The ``ab_fp8q`` stage's A/B on CPU: an ``fp8q`` shape (e4m3 query with its scale, e4m3
+    cache) under the default (fp8 products) and ``fp8_qk=0`` (dequantised first), the two
+    outputs equal to the bf16 rounding of the dequantised query."""
+    import json
+
+    from jax_mla.bench import ab
+
+    if "triton" not in __import__("jax_mla").available_backends():
+        pytest.skip("needs the Triton backend")
+    out = tmp_path / "ab.json"
+    ab.main([str(out), "--rounds", "1", "base", "dq:fp8_qk=0", "--", "2,4,100,1,16,fp8q"])
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["base", "dq"]
+    assert rows[1]["tuning"]["fp8_qk"] is False and rows[0]["tuning"]["fp8_qk"] is True
+    assert 0 < rows[1]["rel_err_vs_first"] < 1e-2, rows[1]
 
 
 def test_flashmla_peer_reads_our_buffers_in_its_layout(rng):

@@ -175,6 +175,32 @@ def test_fp8_cache_float16_products_keep_every_query_row(rng, monkeypatch, kv_dt
     np.testing.assert_allclose(outs["1"], outs["0"], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no triton backend here")
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_query_meets_an_fp8_cache_in_fp8_products(rng, monkeypatch, kv_dtype):
+    """An fp8 query against an fp8 cache (``FP8_QK``, the default on CUDA and in the
+    interpreter): the scores are products of the stored values, the query's scale in the score
+    factor, no dequantised copy of the query; e4m3 queries against e5m2 caches too. It meets the
+    oracle, and the dequantise-first path (``JAX_MLA_TRITON_FP8_QK=0``) agrees."""
+    from jax_mla.backends.triton import decode as tdecode
+
+    case = make_case(rng, seq_lens=[40, 17], qlen=3, num_heads=4, page_size=16)
+    seen = []
+    real = tdecode.decode_constexprs
+    monkeypatch.setattr(tdecode, "decode_constexprs",
+                        lambda *a, **k: seen.append((k["fp8_qk"], k["has_q_scale"])) or real(
+                            *a, **k))
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("JAX_MLA_TRITON_FP8_QK", flag)
+        out, lse, wo, wl = run(case, "triton", jnp.bfloat16, q_dtype=jnp.float8_e4m3fn,
+                               q_scale=0.02, kv_dtype=jnp.dtype(kv_dtype), kv_scale=0.05)
+        check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+        outs[flag] = np.asarray(out, np.float32)
+    assert seen == [(True, True), (False, False)], seen
+    np.testing.assert_allclose(outs["1"], outs["0"], rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("L,R", [(32, 16), (256, 64), (448, 64)])
 def test_other_latent_widths(rng, L, R):
     for backend in BACKENDS:

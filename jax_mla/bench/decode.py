@@ -35,9 +35,11 @@ from jax_mla.testing import rel_err
 
 L, R = 512, 64
 D = L + R
-KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+# fp8: an e4m3 cache read with bf16 queries; fp8q: with e4m3 queries too (their own scale).
+KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "fp8q": jnp.float8_e4m3fn}
 DEEPSEEK_SCALE = 1 / math.sqrt(192.0)  # pre-absorption head dim 128 + 64
 FP8_KV_SCALE = 0.05  # the cache stores x / 0.05: unit normals in e4m3's range
+FP8_Q_SCALE = 0.02  # an fp8 query stores x / 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +55,8 @@ class Shape:
 
     @classmethod
     def parse(cls, spec: str) -> Shape:
-        """``"B,H,S[,Q[,PAGE[,KV]]]"``, e.g. ``"64,16,4096,4"`` or ``"128,128,4096,1,64,fp8"``."""
+        """``"B,H,S[,Q[,PAGE[,KV]]]"``, e.g. ``"64,16,4096,4"`` or ``"128,128,4096,1,64,fp8"``
+        (KV: ``bf16``, ``fp8`` or ``fp8q``, an fp8 cache with fp8 queries)."""
         parts = spec.split(",")
         if not 3 <= len(parts) <= 6:
             raise ValueError(f"shape {spec!r}: expected B,H,S[,Q[,PAGE[,KV]]]")
@@ -85,6 +88,7 @@ def target_shapes(quick: bool = False) -> list[Shape]:
     s += [Shape(1, 16, 1024, tag="latency"), Shape(1, 128, 1024, tag="latency")]
     s += [Shape(128, 64, 4096, tag="h64"), Shape(128, 32, 4096, tag="h32")]
     s += [Shape(64, 16, 4096, tag="fp8", kv="fp8"), Shape(128, 128, 4096, tag="fp8", kv="fp8")]
+    s += [Shape(64, 16, 4096, tag="fp8", kv="fp8q"), Shape(128, 128, 4096, tag="fp8", kv="fp8q")]
     return s
 
 
@@ -116,11 +120,18 @@ def make_inputs(shape: Shape, rng):
     kv_dtype = KV_DTYPES[shape.kv]
     kv_scale = None
     cache = jax.random.normal(k1, (total, ps, D), jnp.bfloat16)
-    if shape.kv == "fp8":
+    if shape.kv in ("fp8", "fp8q"):
         kv_scale = jnp.float32(FP8_KV_SCALE)
         cache = (cache.astype(jnp.float32) / FP8_KV_SCALE).astype(kv_dtype)
     q = jax.random.normal(k2, (shape.batch * shape.qlen, shape.heads, D), jnp.bfloat16)
+    if shape.kv == "fp8q":
+        q = (q.astype(jnp.float32) / FP8_Q_SCALE).astype(kv_dtype)
     return q, cache, jnp.asarray(table), jnp.asarray(lens, jnp.int32), kv_scale
+
+
+def q_scale_of(shape: Shape):
+    """The query's scale: :data:`FP8_Q_SCALE` for ``fp8q`` shapes, else None."""
+    return jnp.float32(FP8_Q_SCALE) if shape.kv == "fp8q" else None
 
 
 def roofline(shape: Shape, lens: np.ndarray, seconds: float, ceil: dict) -> dict:
@@ -140,7 +151,8 @@ def builder(shape: Shape, backend: str = "triton", tuning=None):
     def build(table, lens):
         return jax_mla.build_decode_metadata(
             table, lens, page_size=shape.page, qlen=shape.qlen, num_heads=shape.heads,
-            q_dtype=jnp.bfloat16, kv_dtype=KV_DTYPES[shape.kv], backend=backend, tuning=tuning)
+            q_dtype=KV_DTYPES[shape.kv] if shape.kv == "fp8q" else jnp.bfloat16,
+            kv_dtype=KV_DTYPES[shape.kv], backend=backend, tuning=tuning)
 
     return build
 
@@ -151,12 +163,7 @@ def attention_call(shape: Shape, rng, backend: str = "triton", *, tuning=None,
     its metadata built once: ``fn(q, cache, md)``."""
     q, cache, table, lens, kv_scale = make_inputs(shape, rng)
     md = jax.jit(builder(shape, backend, tuning))(table, lens)
-
-    def fn(q, cache, md):
-        return jax_mla.mla_attention(q, cache, md, scale=scale, return_lse=True,
-                                     kv_scale=kv_scale)
-
-    return fn, (q, cache, md)
+    return _e2e(kv_scale, scale, q_scale_of(shape)), (q, cache, md)
 
 
 def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) -> list:
@@ -168,11 +175,11 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) 
         build = builder(shape, name)
         md = jax.jit(build)(table, lens)
         impl = get_backend(name)
-        e2e = _e2e(kv_scale, scale)
+        e2e = _e2e(kv_scale, scale, q_scale_of(shape))
 
         def kernels(q, cache, md, impl=impl):
-            return impl.decode(q, cache, md, plan=md.plan, scale=scale, q_scale=None,
-                               kv_scale=kv_scale, return_lse=True)
+            return impl.decode(q, cache, md, plan=md.plan, scale=scale,
+                               q_scale=q_scale_of(shape), kv_scale=kv_scale, return_lse=True)
 
         t_e2e = device_time(e2e, q, cache, md)
         row = {"shape": shape.name, "tag": shape.tag, "backend": name,
@@ -209,11 +216,11 @@ def metadata_time(build, table, lens, **kw) -> float:
     return device_time(lambda lens, table: build(table, lens), lens, table, **kw)
 
 
-def _e2e(kv_scale, scale):
+def _e2e(kv_scale, scale, q_scale=None):
     def e2e(q, cache, md):
         # What a model calls once per layer: head padding, kernels, merge, unpadding.
         return jax_mla.mla_attention(q, cache, md, scale=scale, return_lse=True,
-                                     kv_scale=kv_scale)
+                                     kv_scale=kv_scale, q_scale=q_scale)
 
     return e2e
 
@@ -226,7 +233,7 @@ def gpu_time_rows(shape: Shape, backends, rng, *, scale=DEEPSEEK_SCALE) -> dict:
     for name in backends:
         build = builder(shape, name)
         md = jax.jit(build)(table, lens)
-        k = profile.kernel_times(_e2e(kv_scale, scale), q, cache, md)
+        k = profile.kernel_times(_e2e(kv_scale, scale, q_scale_of(shape)), q, cache, md)
         m = profile.kernel_times(build, table, lens)
         out[name] = dict(gpu_us=k["gpu_us"], launches=k["launches"],
                          gpu_kernels_us=k["kernels_us"], metadata_gpu_us=m["gpu_us"],

@@ -13,7 +13,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`; ``ab_fp8``: the
-  fp8-cache tiles of :data:`FP8_AB_VARIANTS` at :data:`FP8_AB_SHAPES`; ``ab_pdl``: programmatic
+  fp8-cache tiles of :data:`FP8_AB_VARIANTS` at :data:`FP8_AB_SHAPES`; ``ab_fp8q``: fp8 queries
+  in fp8 products or dequantised (:data:`FP8Q_AB_SHAPES`); ``ab_pdl``: programmatic
   dependent launch on and off at :data:`PDL_AB_SHAPES`;
 - ``memcheck``: the Triton fuzz cases and conformance cases under compute-sanitizer, in the
   background (``memcheck_wait`` waits for it; the session's end too); ``memcheck_fuzz``: the
@@ -260,6 +261,18 @@ PDL_AB_VARIANTS = ("base", "pdl:pdl=1")
 def stage_ab_pdl(_):
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "ab_pdl.json"), *PDL_AB_VARIANTS,
              "--", *PDL_AB_SHAPES], 400, "ab pdl")
+
+
+# fp8 queries against fp8 caches: multiplied as they are (``fp8_qk``, the default) against
+# dequantised to bf16 first (the path before), beside the bf16-query fp8 and bf16 shapes.
+FP8Q_AB_SHAPES = ("64,16,4096,1,64,fp8q", "64,16,4096,1,64,fp8", "128,128,4096,1,64,fp8q",
+                  "128,128,4096,1,64,fp8", "128,128,4096")
+FP8Q_AB_VARIANTS = ("base", "dq:fp8_qk=0")
+
+
+def stage_ab_fp8q(_):
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "ab_fp8q.json"), *FP8Q_AB_VARIANTS,
+             "--", *FP8Q_AB_SHAPES], 400, "ab fp8q")
 
 
 def stage_ab_fp8(_):

@@ -46,6 +46,14 @@ def fp8_f16_mma(plan: TritonPlan, q_dtype, kv_dtype) -> bool:
             and (plan.interpret or plan.problem.target.platform == "cuda"))
 
 
+def fp8_scores(plan: TritonPlan, q_dtype, kv_dtype) -> bool:
+    """Whether an fp8 query meets an fp8 cache in fp8 products (``FP8_QK``): on CUDA and in the
+    interpreter, unless ``TritonTuning.fp8_qk`` is off. Otherwise the query is dequantised to
+    bf16 first. Not on ROCm (unmeasured there)."""
+    return (bool(plan.tuning is not None and plan.tuning.fp8_qk) and is_fp8(q_dtype)
+            and is_fp8(kv_dtype) and (plan.interpret or plan.problem.target.platform == "cuda"))
+
+
 def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale):
     """``q [T, H, D]`` -> ``(out [T, H, L] in q's dtype (bf16 for fp8 q), lse [T, H] float32)``."""
     cfg = plan.kernel
@@ -53,15 +61,20 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     t_rows, h, d = q.shape
     lr, rd = p.kv_lora_rank, p.rope_dim
     target, launcher = p.target, plan.launcher
-    if is_fp8(q.dtype):  # dequantise once here; the kernel multiplies in bf16
+    fp8_qk = fp8_scores(plan, q.dtype, kv_cache.dtype)
+    out_dt = jnp.bfloat16 if is_fp8(q.dtype) else q.dtype
+    if is_fp8(q.dtype) and not fp8_qk:  # dequantise once here; the kernel multiplies in bf16
         q = (q.astype(jnp.float32) * jnp.asarray(q_scale, jnp.float32)).astype(jnp.bfloat16)
     sched: SplitSchedule = md.schedule
     kv = kv_cache.reshape(-1, d)
     has_scale = kv_scale is not None
-    kv_scale_arr = jnp.asarray(1.0 if kv_scale is None else kv_scale, jnp.float32).reshape(1)
-    f16_mma = fp8_f16_mma(plan, q.dtype, kv_cache.dtype)
-    # The interpreter's 16-bit dots: float16 is exact there, bf16 is not (upcast to float32).
-    upcast = plan.interpret and not f16_mma
+    # [kv_scale, q_scale]: the kernel reads the second only for an fp8 query it multiplies as is.
+    scales = jnp.stack([jnp.asarray(1.0 if s is None else s, jnp.float32).reshape(())
+                        for s in (kv_scale, q_scale if fp8_qk else None)])
+    f16_mma = fp8_f16_mma(plan, q.dtype, kv_cache.dtype) and not fp8_qk
+    # The interpreter's 16-bit dots: float16 and fp8 are exact there, bf16 is not (upcast to
+    # float32).
+    upcast = plan.interpret and not (f16_mma or fp8_qk)
     prow = sched.max_works * md.qlen
     shape = dict(num_heads=h, qlen=md.qlen, page_size=md.page_size, max_pages=md.max_pages,
                  kv_lora_rank=lr, rope_dim=rd, scale=scale, num_pages=kv_cache.shape[0])
@@ -72,14 +85,15 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
         kernel = _kernels().mla_decode_kernel
         consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,
                                    ieee=(not upcast) and jnp.dtype(q.dtype) == jnp.float32,
-                                   f16_mma=f16_mma)
+                                   f16_mma=f16_mma, fp8_qk=fp8_qk,
+                                   has_q_scale=fp8_qk and q_scale is not None)
     f32 = jnp.float32
     out, lse, part_out, part_lse = triton_call(
         kernel,
         q, kv, md.block_table, sched.kv_indptr, sched.work_indptr, sched.work_info_set,
-        kv_scale_arr,
+        scales,
         grid=(sched.num_programs * cfg.num_head_blocks,),
-        out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), q.dtype),
+        out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), out_dt),
                     jax.ShapeDtypeStruct((t_rows, h), f32),
                     jax.ShapeDtypeStruct((prow, h, lr), f32),
                     jax.ShapeDtypeStruct((prow, h), f32)],
@@ -107,7 +121,7 @@ def _problem_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pa
 
 def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
                       rope_dim, scale, has_kv_scale=False, upcast=False, ieee=False,
-                      num_pages=None, f16_mma=False) -> dict:
+                      num_pages=None, f16_mma=False, fp8_qk=False, has_q_scale=False) -> dict:
     """The Triton decode kernel's compile-time arguments for tile ``cfg`` and one problem."""
     return _problem_constexprs(
         cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
@@ -115,7 +129,7 @@ def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_page
         BLOCK_M=cfg.block_m, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(rope_dim),
         BLOCK_N=cfg.block_n, TILE_IN_PAGE=page_size % cfg.block_n == 0,
         HAS_KV_SCALE=has_kv_scale, UPCAST=upcast, IEEE=ieee, WG_SPLIT=cfg.wg_split,
-        PDL=cfg.pdl, F16_MMA=f16_mma)
+        PDL=cfg.pdl, F16_MMA=f16_mma, FP8_QK=fp8_qk, HAS_Q_SCALE=has_q_scale)
 
 
 def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,

@@ -130,7 +130,11 @@ class TritonTuning:
     bf16 in about four; bf16 query rows are scaled by a power of two each to fit float16 exactly
     (``kernels/triton/decode.py``, ``_to_f16_rows``). Off by default: with it the 16-row tile
     spills 8-36 bytes under triton 3.9 unless at 8 warps, and its speed is unmeasured
-    (``python -m jax_mla.bench.session ab_fp8``).
+    (``python -m jax_mla.bench.session ab_fp8``). ``fp8_qk``: an fp8 query against an fp8 cache
+    in fp8 products on CUDA (and the interpreter): the scores are exact products of the stored
+    values, nothing of the cache converted for them; the values go to float16 for ``P @ V``.
+    On by default; off: the query is dequantised to bf16 first (an XLA kernel before the decode
+    kernel, and bf16 products), as before.
     """
 
     block_n: int | None = None
@@ -150,6 +154,7 @@ class TritonTuning:
     launcher: str = "auto"
     pdl: bool = False
     fp8_f16: bool = False
+    fp8_qk: bool = True
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -180,6 +185,7 @@ class TritonTuning:
             launcher=env.read_choice("JAX_MLA_TRITON_LAUNCHER", LAUNCHERS, "auto"),
             pdl=env.read_flag("JAX_MLA_TRITON_PDL", False),
             fp8_f16=env.read_flag("JAX_MLA_TRITON_FP8_F16", False),
+            fp8_qk=env.read_flag("JAX_MLA_TRITON_FP8_QK", True),
         )
 
     @property

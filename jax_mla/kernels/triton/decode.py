@@ -96,12 +96,15 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
             EVEN_L: tl.constexpr, EVEN_R: tl.constexpr, MASKED: tl.constexpr,
             UPCAST: tl.constexpr, IEEE: tl.constexpr, NUM_PAGES: tl.constexpr,
-            ROW_SCALE: tl.constexpr):
+            ROW_SCALE: tl.constexpr, FP8_QK: tl.constexpr):
     """Online softmax of the query rows over KV positions ``lo .. hi`` (tiles of BLOCK_N).
 
     Unmasked (``MASKED`` false): every position of every tile is below ``hi`` and below every
     row's causal bound, so there is no mask and the running max is finite after one tile.
     ``ROW_SCALE``: ``qk_scale`` is one factor a row (``[BLOCK_M]``, see ``F16_MMA``).
+    ``FP8_QK``: an fp8 query against an fp8 cache: the scores are fp8 products of the stored
+    values (exact, float32 sums; no conversion), and only the values (the first ``L`` columns)
+    are converted, to float16 (exact), for ``P @ V``.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, BLOCK_L)
@@ -117,13 +120,17 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
                                 MASKED)
         rows = _kv_rows(bt_row, tl.minimum(start + BLOCK_N, last),
                         tl.minimum(pos + BLOCK_N, last), PAGE_SIZE, TILE_IN_PAGE, NUM_PAGES)
-        if UPCAST:
-            k_nope = k_nope.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
+        if FP8_QK:
+            s = _dot(q_nope, tl.trans(k_nope), _dot0(q_pe, tl.trans(k_pe), IEEE), IEEE)
+            k_nope = k_nope.to(tl.float16)
         else:
-            k_nope = k_nope.to(q_nope.dtype)
-            k_pe = k_pe.to(q_pe.dtype)
-        s = _dot(q_nope, tl.trans(k_nope), _dot0(q_pe, tl.trans(k_pe), IEEE), IEEE)
+            if UPCAST:
+                k_nope = k_nope.to(tl.float32)
+                k_pe = k_pe.to(tl.float32)
+            else:
+                k_nope = k_nope.to(q_nope.dtype)
+                k_pe = k_pe.to(q_pe.dtype)
+            s = _dot(q_nope, tl.trans(k_nope), _dot0(q_pe, tl.trans(k_pe), IEEE), IEEE)
         if ROW_SCALE:
             s = s * qk_scale[:, None]
         else:
@@ -175,7 +182,8 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
                  BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
                  HAS_KV_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 L2_HINTS: tl.constexpr, NUM_PAGES: tl.constexpr, F16_MMA: tl.constexpr):
+                 L2_HINTS: tl.constexpr, NUM_PAGES: tl.constexpr, F16_MMA: tl.constexpr,
+                 FP8_QK: tl.constexpr):
     """Work ``w`` (one KV range of one request) for head block ``hb``."""
     D: tl.constexpr = L + R
     EVEN_L: tl.constexpr = BLOCK_L == L
@@ -216,10 +224,10 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
     full = lo + (tl.maximum(tl.minimum(hi, seq - Q + 1) - lo, 0) // BLOCK_N) * BLOCK_N
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, full, bound,
                             qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
-                            EVEN_L, EVEN_R, False, UPCAST, IEEE, NUM_PAGES, F16_MMA)
+                            EVEN_L, EVEN_R, False, UPCAST, IEEE, NUM_PAGES, F16_MMA, FP8_QK)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, full, hi, bound,
                             qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
-                            EVEN_L, EVEN_R, True, UPCAST, IEEE, NUM_PAGES, F16_MMA)
+                            EVEN_L, EVEN_R, True, UPCAST, IEEE, NUM_PAGES, F16_MMA, FP8_QK)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -269,7 +277,8 @@ def mla_decode_kernel(
     PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, WG_SPLIT: tl.constexpr = False,
     L2_HINTS: tl.constexpr = False, NUM_PAGES: tl.constexpr = 2147483647,
-    PDL: tl.constexpr = False, F16_MMA: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16_MMA: tl.constexpr = False, FP8_QK: tl.constexpr = False,
+    HAS_Q_SCALE: tl.constexpr = False,
 ):
     # WG_SPLIT is read by the compiler wrapper, not here: on CUDA it splits the score tile's
     # columns between the two warpgroups of a 64-row, 8-warp program (backends/triton/compiler.py).
@@ -286,11 +295,13 @@ def mla_decode_kernel(
     else:
         kv_scale = 1.0
         qk_scale = QK_SCALE
+    if HAS_Q_SCALE:  # an fp8 query's scale (FP8_QK): scores of the stored values times it
+        qk_scale = qk_scale * tl.load(kv_scale_ptr + 1)
     for w in range(w0, w1):
         _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale, kv_scale,
                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H, MAX_PAGES, Q, HB, BLOCK_M,
                      L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE, HAS_KV_SCALE,
-                     UPCAST, IEEE, L2_HINTS, NUM_PAGES, F16_MMA)
+                     UPCAST, IEEE, L2_HINTS, NUM_PAGES, F16_MMA, FP8_QK)
     _release_successor(PDL)
 
 
