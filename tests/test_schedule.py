@@ -489,7 +489,7 @@ def test_a_planned_triton_step_runs_its_three_kernels_and_nothing_else(rng):
     lens = jnp.asarray([5, 999, -3], jnp.int32)  # past the capacity (64), and negative
     hlo = step("kernel").lower(q, cache, table, lens).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):]
-    ops = set(re.findall(r"= \S+ (\w[\w-]*)\(", entry))
+    ops = set(re.findall(r"^\s*(?:ROOT\s+)?%\S+ = (?:\([^)]*\)|\S+) ([\w-]+)\(", entry, re.M))
     assert ops <= {"parameter", "constant", "bitcast", "custom-call", "get-tuple-element",
                    "tuple"}, ops
     assert entry.count("custom-call(") == 3, entry

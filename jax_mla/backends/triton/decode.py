@@ -68,9 +68,11 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     sched: SplitSchedule = md.schedule
     kv = kv_cache.reshape(-1, d)
     has_scale = kv_scale is not None
-    # [kv_scale, q_scale]: the kernel reads the second only for an fp8 query it multiplies as is.
-    scales = jnp.stack([jnp.asarray(1.0 if s is None else s, jnp.float32).reshape(())
-                        for s in (kv_scale, q_scale if fp8_qk else None)])
+    # [kv_scale] (a view, no kernel); [kv_scale, q_scale] for an fp8 query multiplied as is (one
+    # tiny XLA kernel where a scale is traced, in place of the query's dequantisation).
+    scales = jnp.asarray(1.0 if kv_scale is None else kv_scale, jnp.float32).reshape(1)
+    if fp8_qk and q_scale is not None:
+        scales = jnp.concatenate([scales, jnp.asarray(q_scale, jnp.float32).reshape(1)])
     f16_mma = fp8_f16_mma(plan, q.dtype, kv_cache.dtype) and not fp8_qk
     # The interpreter's 16-bit dots: float16 and fp8 are exact there, bf16 is not (upcast to
     # float32).
