@@ -16,7 +16,7 @@ from jax_mla import heads as _heads
 from jax_mla.backends import get_backend
 from jax_mla.backends.base import out_dtype
 from jax_mla.cache import FLOAT_DTYPES, check_cache, is_fp8
-from jax_mla.metadata import plan_decode
+from jax_mla.metadata import plan_decode, with_schedule
 from jax_mla.paged import DecodeMetadata
 from jax_mla.problem import DecodeProblem, Target, current_platform, detect_target, dtype_name
 
@@ -202,7 +202,7 @@ def _mla_attention(q, kv_cache, md, q_scale, kv_scale, *, scale, return_lse, pla
         return (out, jnp.full((t, h), -jnp.inf, jnp.float32)) if return_lse else out
     impl = get_backend(plan.backend)
     if md.plan is None:  # planned for this call: the plan's arrays are built here, once a trace
-        md = md.replace(plan=plan, schedule=impl.schedule(plan, md))
+        md = with_schedule(md, impl, plan)
     h, hp = plan.problem.num_heads, plan.padded_heads
     qp = _heads.pad_heads(q, h, hp)
     out, lse = impl.decode(qp, kv_cache, md, plan=plan, scale=scale, q_scale=q_scale,

@@ -9,6 +9,8 @@ only reads them; a plan that does not match the call is an error that names both
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from jax_mla.backends import get_backend, require_available, resolve_backend
@@ -108,4 +110,19 @@ def build_decode_metadata(
                        flat_capacity=flat_capacity, views=impl.views)
     if md.num_seqs == 0 or md.max_pages == 0:  # nothing to schedule: no kernel will run
         return md.replace(plan=plan)
-    return md.replace(plan=plan, schedule=impl.schedule(plan, md, seq_lens=seq_lens))
+    return with_schedule(md, impl, plan, seq_lens=seq_lens)
+
+
+def with_schedule(md: DecodeMetadata, impl, plan, *, seq_lens=None) -> DecodeMetadata:
+    """``md`` with ``plan`` and the backend's schedule for it. Where the schedule's kernel also
+    made the clamped lengths and their offsets (``seq_lens``, ``kv_indptr``: the same values as
+    the metadata's), the metadata takes those and the schedule drops its copies: XLA's clamp and
+    cumulative sum then feed nothing and are left out of the program, whether the metadata is
+    built inside a step or jitted alone. ``seq_lens``: the lengths as the caller gave them."""
+    schedule = impl.schedule(plan, md, seq_lens=seq_lens)
+    made = {field: getattr(schedule, name, None)
+            for field, name in (("seq_lens", "seq_lens"), ("paged_kv_indptr", "kv_indptr"))}
+    if any(v is not None for v in made.values()):
+        md = md.replace(**{k: v for k, v in made.items() if v is not None})
+        schedule = dataclasses.replace(schedule, seq_lens=None, kv_indptr=None)
+    return md.replace(plan=plan, schedule=schedule)

@@ -460,7 +460,9 @@ def test_a_planned_triton_step_runs_its_three_kernels_and_nothing_else(rng):
     their offsets, so the metadata's own clamp and cumulative sum are dead code XLA drops
     (on a GPU: two kernel launches fewer a step). The compiled program holds the three
     kernels' calls and no computation of XLA's; its output is the jnp planner's, bit for bit,
-    lengths out of range under jit included (clamped alike)."""
+    lengths out of range under jit included (clamped alike). The metadata carries the kernel's
+    lengths and offsets (``metadata.with_schedule``), so a metadata build jitted alone is the
+    planning kernel too."""
     import re
 
     import jax
@@ -493,6 +495,19 @@ def test_a_planned_triton_step_runs_its_three_kernels_and_nothing_else(rng):
     assert ops <= {"parameter", "constant", "bitcast", "custom-call", "get-tuple-element",
                    "tuple"}, ops
     assert entry.count("custom-call(") == 3, entry
+    # The metadata jitted alone: the planning kernel makes its lengths and offsets too (no
+    # clamp, no cumulative sum anywhere in the program).
+    build = jax.jit(lambda table, lens: jax_mla.build_decode_metadata(
+        table, lens, page_size=ps, num_heads=h, q=q, kv_cache=cache, backend="triton",
+        tuning=TritonTuning(planner="kernel")))
+    alone = build.lower(table, lens).compile().as_text()
+    assert alone.count("custom-call(") == 1, alone
+    for op in ("reduce-window(", "minimum(", "maximum(", "clamp(", "concatenate("):
+        assert op not in alone, (op, alone)
+    md = build(table, lens)
+    np.testing.assert_array_equal(np.asarray(md.seq_lens), [5, 64, 0])
+    np.testing.assert_array_equal(np.asarray(md.paged_kv_indptr), [0, 5, 69, 69])
+    assert md.schedule.seq_lens is None and md.schedule.kv_indptr is None
     got = step("kernel")(q, cache, table, lens)
     want = step("jnp")(q, cache, table, lens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -85,7 +85,9 @@ class Backend:
     def schedule(self, plan: DecodePlan, metadata, *, seq_lens=None):
         """The plan's arrays for one step (a pytree, jnp-built, jittable); None if it needs none.
         ``seq_lens``: the step's lengths as the caller gave them, before the metadata's clamp
-        (None: not at hand), for a backend that computes the metadata's lengths itself."""
+        (None: not at hand), for a backend that computes the metadata's lengths itself: a
+        schedule (a dataclass) with ``seq_lens`` / ``kv_indptr`` arrays hands them to the
+        metadata (``metadata.with_schedule``), which must then be the metadata's values."""
         return None
 
     def decode(self, q, kv_cache, metadata, *, plan: DecodePlan, scale: float, q_scale,

@@ -41,7 +41,7 @@ from jax_mla.dcp.layout import (
     shard_cache,
 )
 from jax_mla.merge import sanitize_lse
-from jax_mla.metadata import plan_decode
+from jax_mla.metadata import plan_decode, with_schedule
 from jax_mla.paged import DecodeMetadata
 from jax_mla.problem import DecodeProblem, as_target, dtype_name
 
@@ -353,7 +353,7 @@ def _build_dcp(block_tables, seq_lens, *, mesh, plan, qlen, interleave, dcp_axis
                                           rank=jax.lax.axis_index(dcp_axis),
                                           interleave=interleave, flat_capacity=flat_capacity,
                                           views=impl.views)
-        md = md.replace(plan=plan, schedule=impl.schedule(plan, md))
+        md = with_schedule(md, impl, plan)
         return jax.tree.map(lambda x: x[None], md), row_lens[None]
 
     fn = _shard_map(body, mesh=mesh, in_specs=(P(dcp_axis), P()),

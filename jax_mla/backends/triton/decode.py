@@ -92,7 +92,7 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     f32 = jnp.float32
     out, lse, part_out, part_lse = triton_call(
         kernel,
-        q, kv, md.block_table, sched.kv_indptr, sched.work_indptr, sched.work_info_set,
+        q, kv, md.block_table, md.paged_kv_indptr, sched.work_indptr, sched.work_info_set,
         scales,
         grid=(sched.num_programs * cfg.num_head_blocks,),
         out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), out_dt),

@@ -75,8 +75,9 @@ class SplitSchedule:
         of each listed request ``t`` (``0, 0`` in the tail): its partials, read in one load.
       seq_lens, kv_indptr: ``[B]`` and ``[B + 1]`` int32, the lengths the plan was made for
         (clamped as the metadata's) and their offsets, the ``paged_kv_indptr`` the works'
-        ``kv_start`` / ``kv_end`` index: the decode kernels read these, so where the planning
-        kernel computes them, XLA computes nothing else for the step (None: not given).
+        ``kv_start`` / ``kv_end`` index. ``metadata.with_schedule`` moves them into the
+        metadata, so that where the planning kernel computes them XLA computes nothing else
+        for the step (None: not given, or moved).
       block_n: static KV tile; every work starts on a multiple of it.
       num_head_blocks, qlen: static shape the plan was made for.
     """
