@@ -146,7 +146,7 @@ def test_fp8_query_with_scale(rng, backend):
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no triton backend here")
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_fp8_cache_float16_products_keep_every_query_row(rng, monkeypatch, kv_dtype):
+def test_triton_fp8_cache_float16_products_keep_every_query_row(rng, monkeypatch, kv_dtype):
     """An fp8 cache's products run in float16 (``F16_MMA``; the interpreter runs the same path):
     query rows far past float16's range (|q| ~ 3e5), deep in its subnormals (~1e-6), zero, and
     ordinary, each scaled by its own power of two, give the oracle's result; the bf16 products
@@ -177,7 +177,7 @@ def test_fp8_cache_float16_products_keep_every_query_row(rng, monkeypatch, kv_dt
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no triton backend here")
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_fp8_query_meets_an_fp8_cache_in_fp8_products(rng, monkeypatch, kv_dtype):
+def test_triton_fp8_query_meets_an_fp8_cache_in_fp8_products(rng, monkeypatch, kv_dtype):
     """An fp8 query against an fp8 cache (``FP8_QK``, the default on CUDA and in the
     interpreter): the scores are products of the stored values, the query's scale in the score
     factor, no dequantised copy of the query; e4m3 queries against e5m2 caches too. It meets the
