@@ -50,9 +50,10 @@ class TritonBackend(Backend):
         program (``plan.planner == "kernel"``) or XLA ops, the same arrays either way.
 
         The planning program also clamps the lengths and computes their offsets (the schedule's
-        ``seq_lens`` and ``kv_indptr``, which the decode kernels read): from ``seq_lens``, the
-        step's lengths as the caller gave them, where given, so that the metadata's own clamp
-        and cumulative sum are left unused and XLA drops them (two kernels fewer a step)."""
+        ``seq_lens`` and ``kv_indptr``, which ``metadata.with_schedule`` moves into the
+        metadata the decode kernels read): from ``seq_lens``, the step's lengths as the caller
+        gave them, where given, so that the metadata's own clamp and cumulative sum are left
+        unused and XLA drops them (two kernels fewer a step)."""
         kw = dict(qlen=metadata.qlen, block_n=plan.kernel.block_n,
                   num_programs=plan.num_programs, num_head_blocks=plan.kernel.num_head_blocks,
                   mode=plan.split_mode)
