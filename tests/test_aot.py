@@ -149,6 +149,49 @@ def test_sm90_fp8_16_row_tile_fits():
     assert tiles == {(16, 16, 4)}, tiles
 
 
+_CVT_SCRIPT = """
+import importlib, json, re
+from jax_mla import aot
+from jax_mla.backends.triton import TritonTuning, compiler, ffi_launch
+from jax_mla.backends.triton import plan as plan_mod
+out = {}
+for once in (True, False):
+    plan_mod.TritonTuning.from_env = classmethod(
+        lambda cls, once=once: TritonTuning(fp8_convert_once=once))
+    [(row, job)] = [rj for rj in aot.variants("sm_90", (16,), (1,), ("fp8",), 8)
+                    if rj[0]["kernel"] == "decode"]
+    module, name = job.kernel.split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    tt = ffi_launch.triton_target(aot.make_target("sm_90"))
+    sig, consts, attrs, _ = ffi_launch.specialization(kernel, job.dtypes, dict(job.constexprs))
+    cc, _ = compiler.compile_for_target(kernel, signature=sig, constexprs=consts, attrs=attrs,
+                                        target=tt, num_warps=job.num_warps,
+                                        num_stages=job.num_stages)
+    ptx = cc.asm["ptx"]
+    out[str(once)] = dict(
+        cvt_once=consts.get("CVT_ONCE"),
+        byte_loads=len(re.findall(r"ld\\.shared(?:\\.v\\d)?\\.[ub]8", ptx)),
+        ldmatrix=len(re.findall(r"ldmatrix", ptx)),
+        converts=len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", ptx)))
+print(json.dumps(out))
+"""
+
+
+@needs_cuda
+def test_sm90_fp8_tile_is_converted_once_where_it_was_loaded():
+    """``CVT_ONCE`` (the default on CUDA): the fp8 tile goes to 16 bits once, in its load
+    layout, and both products read it through ``ldmatrix``; Triton's own placement converts
+    it per product and reads the ``V`` operand from shared memory one byte at a time."""
+    from conftest import run_compiler_script
+
+    got = run_compiler_script(_CVT_SCRIPT, timeout=600)
+    once, per_product = got["True"], got["False"]
+    assert once["cvt_once"] is True and per_product["cvt_once"] is False, got
+    assert once["byte_loads"] == 0 and per_product["byte_loads"] > 0, got
+    assert once["ldmatrix"] > per_product["ldmatrix"], got
+    assert once["converts"] < per_product["converts"], got
+
+
 @needs_cuda
 @pytest.mark.xfail(strict=True, reason="the Triton 64-row tile an fp8 cache takes at 32+ rows "
                    "(8 warps, its score columns split between the warpgroups) spills 400-1,200 "

@@ -54,6 +54,14 @@ def fp8_scores(plan: TritonPlan, q_dtype, kv_dtype) -> bool:
             and is_fp8(kv_dtype) and (plan.interpret or plan.problem.target.platform == "cuda"))
 
 
+def fp8_convert_once(plan: TritonPlan, kv_dtype) -> bool:
+    """Whether the Triton kernel converts an fp8 cache's tile once, where it was loaded
+    (``CVT_ONCE``): on CUDA (inline PTX; not the interpreter, not ROCm), unless
+    ``TritonTuning.fp8_convert_once`` is off."""
+    return (bool(plan.tuning is None or plan.tuning.fp8_convert_once) and is_fp8(kv_dtype)
+            and not plan.interpret and plan.problem.target.platform == "cuda")
+
+
 def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale):
     """``q [T, H, D]`` -> ``(out [T, H, L] in q's dtype (bf16 for fp8 q), lse [T, H] float32)``."""
     cfg = plan.kernel
@@ -88,7 +96,8 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
         consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,
                                    ieee=(not upcast) and jnp.dtype(q.dtype) == jnp.float32,
                                    f16_mma=f16_mma, fp8_qk=fp8_qk,
-                                   has_q_scale=fp8_qk and q_scale is not None)
+                                   has_q_scale=fp8_qk and q_scale is not None,
+                                   cvt_once=fp8_convert_once(plan, kv_cache.dtype))
     f32 = jnp.float32
     out, lse, part_out, part_lse = triton_call(
         kernel,
@@ -123,7 +132,8 @@ def _problem_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pa
 
 def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,
                       rope_dim, scale, has_kv_scale=False, upcast=False, ieee=False,
-                      num_pages=None, f16_mma=False, fp8_qk=False, has_q_scale=False) -> dict:
+                      num_pages=None, f16_mma=False, fp8_qk=False, has_q_scale=False,
+                      cvt_once=False) -> dict:
     """The Triton decode kernel's compile-time arguments for tile ``cfg`` and one problem."""
     return _problem_constexprs(
         cfg, num_heads=num_heads, qlen=qlen, page_size=page_size, max_pages=max_pages,
@@ -131,7 +141,8 @@ def decode_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_page
         BLOCK_M=cfg.block_m, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(rope_dim),
         BLOCK_N=cfg.block_n, TILE_IN_PAGE=page_size % cfg.block_n == 0,
         HAS_KV_SCALE=has_kv_scale, UPCAST=upcast, IEEE=ieee, WG_SPLIT=cfg.wg_split,
-        PDL=cfg.pdl, F16_MMA=f16_mma, FP8_QK=fp8_qk, HAS_Q_SCALE=has_q_scale)
+        PDL=cfg.pdl, F16_MMA=f16_mma, FP8_QK=fp8_qk, HAS_Q_SCALE=has_q_scale,
+        CVT_ONCE=cvt_once)
 
 
 def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages, kv_lora_rank,

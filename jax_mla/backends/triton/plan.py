@@ -134,7 +134,10 @@ class TritonTuning:
     in fp8 products on CUDA (and the interpreter): the scores are exact products of the stored
     values, nothing of the cache converted for them; the values go to float16 for ``P @ V``.
     On by default; off: the query is dequantised to bf16 first (an XLA kernel before the decode
-    kernel, and bf16 products), as before.
+    kernel, and bf16 products), as before. ``fp8_convert_once``: on CUDA an fp8 cache's tile is
+    converted to 16 bits once, in the layout it was loaded in, and reaches both products
+    through shared memory (``CVT_ONCE`` in ``kernels/triton/decode.py``); off: Triton's own
+    placement (converted per operand, the ``V`` operand read a byte at a time). On by default.
     """
 
     block_n: int | None = None
@@ -155,6 +158,7 @@ class TritonTuning:
     pdl: bool = False
     fp8_f16: bool = False
     fp8_qk: bool = True
+    fp8_convert_once: bool = True
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -186,6 +190,7 @@ class TritonTuning:
             pdl=env.read_flag("JAX_MLA_TRITON_PDL", False),
             fp8_f16=env.read_flag("JAX_MLA_TRITON_FP8_F16", False),
             fp8_qk=env.read_flag("JAX_MLA_TRITON_FP8_QK", True),
+            fp8_convert_once=env.read_flag("JAX_MLA_TRITON_FP8_CONVERT_ONCE", True),
         )
 
     @property

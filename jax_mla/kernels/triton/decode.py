@@ -47,6 +47,21 @@ def _dot0(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _converted_here(x):
+    """``x`` (a 16-bit tile just converted from fp8), unchanged, behind an inline ``mov`` that
+    Triton's layout passes cannot look through (``CVT_ONCE``, CUDA only).
+
+    Without it Triton moves the conversion past the shared-memory read of each dot operand: the
+    fp8 tile is converted twice (for ``K^T`` and for ``V``), and the ``V`` operand, which wants
+    pairs of rows, is read from shared memory one byte at a time. Held here, the tile is
+    converted once in the layout it was loaded in (four fp8 values a register) and reaches both
+    products through shared memory as a 16-bit tile (``ldmatrix``), as a bf16 cache does.
+    """
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
 def _kv_rows(bt_row_ptr, start, pos, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
              NUM_PAGES: tl.constexpr):
     """Flat cache row (int64) of each logical position through the block table.
@@ -96,7 +111,7 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
             BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
             EVEN_L: tl.constexpr, EVEN_R: tl.constexpr, MASKED: tl.constexpr,
             UPCAST: tl.constexpr, IEEE: tl.constexpr, NUM_PAGES: tl.constexpr,
-            ROW_SCALE: tl.constexpr, FP8_QK: tl.constexpr):
+            ROW_SCALE: tl.constexpr, FP8_QK: tl.constexpr, CVT_ONCE: tl.constexpr):
     """Online softmax of the query rows over KV positions ``lo .. hi`` (tiles of BLOCK_N).
 
     Unmasked (``MASKED`` false): every position of every tile is below ``hi`` and below every
@@ -104,7 +119,8 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
     ``ROW_SCALE``: ``qk_scale`` is one factor a row (``[BLOCK_M]``, see ``F16_MMA``).
     ``FP8_QK``: an fp8 query against an fp8 cache: the scores are fp8 products of the stored
     values (exact, float32 sums; no conversion), and only the values (the first ``L`` columns)
-    are converted, to float16 (exact), for ``P @ V``.
+    are converted, to float16 (exact), for ``P @ V``. ``CVT_ONCE``: an fp8 tile is converted
+    once, where it was loaded, for both products (``_converted_here``; CUDA).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, BLOCK_L)
@@ -123,6 +139,8 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
         if FP8_QK:
             s = _dot(q_nope, tl.trans(k_nope), _dot0(q_pe, tl.trans(k_pe), IEEE), IEEE)
             k_nope = k_nope.to(tl.float16)
+            if CVT_ONCE:
+                k_nope = _converted_here(k_nope)
         else:
             if UPCAST:
                 k_nope = k_nope.to(tl.float32)
@@ -130,6 +148,9 @@ def _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, hi, bound, qk_scale
             else:
                 k_nope = k_nope.to(q_nope.dtype)
                 k_pe = k_pe.to(q_pe.dtype)
+                if CVT_ONCE:
+                    k_nope = _converted_here(k_nope)
+                    k_pe = _converted_here(k_pe)
             s = _dot(q_nope, tl.trans(k_nope), _dot0(q_pe, tl.trans(k_pe), IEEE), IEEE)
         if ROW_SCALE:
             s = s * qk_scale[:, None]
@@ -183,7 +204,7 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
                  PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
                  HAS_KV_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                  L2_HINTS: tl.constexpr, NUM_PAGES: tl.constexpr, F16_MMA: tl.constexpr,
-                 FP8_QK: tl.constexpr):
+                 FP8_QK: tl.constexpr, CVT_ONCE: tl.constexpr):
     """Work ``w`` (one KV range of one request) for head block ``hb``."""
     D: tl.constexpr = L + R
     EVEN_L: tl.constexpr = BLOCK_L == L
@@ -224,10 +245,12 @@ def _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale
     full = lo + (tl.maximum(tl.minimum(hi, seq - Q + 1) - lo, 0) // BLOCK_N) * BLOCK_N
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, lo, full, bound,
                             qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
-                            EVEN_L, EVEN_R, False, UPCAST, IEEE, NUM_PAGES, F16_MMA, FP8_QK)
+                            EVEN_L, EVEN_R, False, UPCAST, IEEE, NUM_PAGES, F16_MMA, FP8_QK,
+                            CVT_ONCE)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q_nope, q_pe, kv_ptr, bt_row, full, hi, bound,
                             qk_scale, L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE,
-                            EVEN_L, EVEN_R, True, UPCAST, IEEE, NUM_PAGES, F16_MMA, FP8_QK)
+                            EVEN_L, EVEN_R, True, UPCAST, IEEE, NUM_PAGES, F16_MMA, FP8_QK,
+                            CVT_ONCE)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -278,7 +301,7 @@ def mla_decode_kernel(
     UPCAST: tl.constexpr, IEEE: tl.constexpr, WG_SPLIT: tl.constexpr = False,
     L2_HINTS: tl.constexpr = False, NUM_PAGES: tl.constexpr = 2147483647,
     PDL: tl.constexpr = False, F16_MMA: tl.constexpr = False, FP8_QK: tl.constexpr = False,
-    HAS_Q_SCALE: tl.constexpr = False,
+    HAS_Q_SCALE: tl.constexpr = False, CVT_ONCE: tl.constexpr = False,
 ):
     # WG_SPLIT is read by the compiler wrapper, not here: on CUDA it splits the score tile's
     # columns between the two warpgroups of a 64-row, 8-warp program (backends/triton/compiler.py).
@@ -301,7 +324,7 @@ def mla_decode_kernel(
         _decode_work(w, hb, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr, qk_scale, kv_scale,
                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H, MAX_PAGES, Q, HB, BLOCK_M,
                      L, R, BLOCK_L, BLOCK_R, BLOCK_N, PAGE_SIZE, TILE_IN_PAGE, HAS_KV_SCALE,
-                     UPCAST, IEEE, L2_HINTS, NUM_PAGES, F16_MMA, FP8_QK)
+                     UPCAST, IEEE, L2_HINTS, NUM_PAGES, F16_MMA, FP8_QK, CVT_ONCE)
     _release_successor(PDL)
 
 
