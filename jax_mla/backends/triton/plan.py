@@ -128,9 +128,8 @@ class TritonTuning:
     ``python -m jax_mla.bench.session ab_pdl``). ``fp8_f16``: an fp8 cache's products in float16
     on CUDA (and the interpreter): the cache converts to float16 in one instruction a pair, to
     bf16 in about four; bf16 query rows are scaled by a power of two each to fit float16 exactly
-    (``kernels/triton/decode.py``, ``_to_f16_rows``). Off by default: with it the 16-row tile
-    spills 8-36 bytes under triton 3.9 unless at 8 warps, and its speed is unmeasured
-    (``python -m jax_mla.bench.session ab_fp8``). ``fp8_qk``: an fp8 query against an fp8 cache
+    (``kernels/triton/decode.py``, ``_to_f16_rows``). Off by default until its speed is
+    measured (``python -m jax_mla.bench.session ab_fp8``). ``fp8_qk``: an fp8 query against an fp8 cache
     in fp8 products on CUDA (and the interpreter): the scores are exact products of the stored
     values, nothing of the cache converted for them; the values go to float16 for ``P @ V``.
     On by default; off: the query is dequantised to bf16 first (an XLA kernel before the decode
