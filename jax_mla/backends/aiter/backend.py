@@ -23,7 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_mla import heads as _heads
-from jax_mla.backends.aiter import bridge, native, triton_kernels
+from jax_mla.backends.aiter import bridge, gluon_kernels, native, triton_kernels
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.plan import AiterPlan, make_plan
 from jax_mla.backends.aiter.schedule import VIEWS, build_schedule
@@ -119,8 +119,8 @@ class AiterBackend(Backend):
             out, lse = self._asm_decode(q, kv_cache, metadata, plan, sched, scale=scale,
                                         q_scale=q_scale, kv_scale=kv_scale)
         elif route.kind in ("gluon_decode", "gluon_verify"):
-            out, lse = bridge.gluon_decode(q, kv_cache, metadata, route, sched, scale=scale,
-                                           kv_scale=kv_scale)
+            out, lse = self._gluon_decode(q, kv_cache, metadata, plan, sched, scale=scale,
+                                          kv_scale=kv_scale)
         else:
             out, lse = self._segmented_verify(q, kv_cache, plan, sched, scale=scale,
                                               q_scale=q_scale, kv_scale=kv_scale)
@@ -148,6 +148,25 @@ class AiterBackend(Backend):
                     reason = str(e)
             native.warn_fallback(reason)
         return bridge.asm_decode(q, kv_cache, md, route, sched, **kw)
+
+    @staticmethod
+    def _gluon_decode(q, kv_cache, md, plan, sched, *, scale, kv_scale):
+        """The small-head Gluon routes: on ROCm the installed AITER's two kernels launched by
+        jax_mla (``gluon_kernels.py``: the FFI launcher) when they are there and match the
+        pinned JIT signatures, else the Python bridge (warned once per process); elsewhere
+        (CPU: Gluon has no interpreter) the bridge."""
+        route, target = plan.route, plan.problem.target
+        if target.platform == "rocm":
+            reason = gluon_kernels.unavailable_reason(target, route.arch)
+            if reason is None:
+                try:
+                    return gluon_kernels.gluon_decode(q, kv_cache, md, route, scale=scale,
+                                                      target=target)
+                except gluon_kernels.KernelUnavailable as e:
+                    reason = str(e)
+            native.warn_fallback(reason, gluon_kernels.FALLBACK_WHAT)
+        return bridge.gluon_decode(q, kv_cache, md, route, sched, scale=scale,
+                                   kv_scale=kv_scale)
 
     @staticmethod
     def _segmented_verify(q, kv_cache, plan, sched, **kw):

@@ -129,9 +129,10 @@ class TritonTuning:
     on CUDA (and the interpreter): the cache converts to float16 in one instruction a pair, to
     bf16 in about four; bf16 query rows are scaled by a power of two each to fit float16 exactly
     (``kernels/triton/decode.py``, ``_to_f16_rows``). Off by default until its speed is
-    measured (``python -m jax_mla.bench.session ab_fp8``). ``fp8_qk``: an fp8 query against an fp8 cache
-    in fp8 products on CUDA (and the interpreter): the scores are exact products of the stored
-    values, nothing of the cache converted for them; the values go to float16 for ``P @ V``.
+    measured (``python -m jax_mla.bench.session ab_fp8``). ``fp8_qk``: an fp8 query against an
+    fp8 cache in fp8 products on CUDA (and the interpreter): the scores are exact products of the
+    stored values, nothing of the cache converted for them; the values go to float16 for
+    ``P @ V``.
     On by default; off: the query is dequantised to bf16 first (an XLA kernel before the decode
     kernel, and bf16 products), as before. ``fp8_convert_once``: on CUDA an fp8 cache's tile is
     converted to 16 bits once, in the layout it was loaded in, and reaches both products

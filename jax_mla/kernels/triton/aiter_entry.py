@@ -73,3 +73,46 @@ def mla_aiter_segmented_entry_kernel(
         IS_Q_FP8=IS_Q_FP8,
         IS_KV_FP8=IS_KV_FP8,
     )
+
+
+@triton.jit
+def mla_aiter_gluon_reduce_entry_kernel(
+        logits_ptr, mid_lse_ptr, kv_indptr_ptr, o_ptr, final_lse_ptr,
+        KERNEL: tl.constexpr, KERNEL_KEY: tl.constexpr, STRIDE_L_B: tl.constexpr,
+        STRIDE_L_S: tl.constexpr, STRIDE_L_H: tl.constexpr, STRIDE_L_SPLIT: tl.constexpr,
+        STRIDE_ML_B: tl.constexpr, STRIDE_ML_S: tl.constexpr, STRIDE_ML_H: tl.constexpr,
+        STRIDE_ML_SPLIT: tl.constexpr, STRIDE_O_B: tl.constexpr, STRIDE_O_S: tl.constexpr,
+        STRIDE_O_H: tl.constexpr, STRIDE_FL_B: tl.constexpr, STRIDE_FL_S: tl.constexpr,
+        STRIDE_FL_H: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, HEAD_DIM_CKV: tl.constexpr,
+        HAS_FINAL_LSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """AITER's Gluon route's reduce, ``_mla_softmax_reducev_kernel`` (a Triton kernel, handed in
+    as ``KERNEL``), in jax_mla's launch form: the split outputs and LSEs of
+    ``mla_aiter_gluon_entry_kernel`` (``jax_mla/kernels/gluon/aiter_entry.py``) in, the final
+    output and LSE out, every stride a constant (``backends/aiter/gluon_kernels.py``)."""
+    KERNEL(
+        Logits=logits_ptr,
+        Mid_lse=mid_lse_ptr,
+        O=o_ptr,
+        Final_lse=final_lse_ptr,
+        B_seq_len=kv_indptr_ptr,
+        stride_l_b=STRIDE_L_B,
+        stride_l_qs=STRIDE_L_S,
+        stride_l_h=STRIDE_L_H,
+        stride_l_s=STRIDE_L_SPLIT,
+        stride_ml_b=STRIDE_ML_B,
+        stride_ml_qs=STRIDE_ML_S,
+        stride_ml_h=STRIDE_ML_H,
+        stride_ml_s=STRIDE_ML_SPLIT,
+        stride_o_b=STRIDE_O_B,
+        stride_o_qs=STRIDE_O_S,
+        stride_o_h=STRIDE_O_H,
+        stride_fl_b=STRIDE_FL_B,
+        stride_fl_qs=STRIDE_FL_S,
+        stride_fl_h=STRIDE_FL_H,
+        NUM_KV_SPLITS=NUM_KV_SPLITS,
+        HEAD_DIM_CKV=HEAD_DIM_CKV,
+        HAS_FINAL_LSE=HAS_FINAL_LSE,
+        USE_2D_VIEW=False,
+        BLOCK_S=BLOCK_S,
+        BLOCK_N=BLOCK_N,
+    )
