@@ -266,10 +266,14 @@ def stage_ab_pdl(_):
 
 
 # fp8 queries against fp8 caches: multiplied as they are (``fp8_qk``, the default) against
-# dequantised to bf16 first (the path before), beside the bf16-query fp8 and bf16 shapes.
+# dequantised to bf16 first (the path before), beside the bf16-query fp8 and bf16 shapes. At 128
+# heads, two tiles that fit Triton 3.9's ptxas as well as 3.6's (the 64-row fp8 tile spills
+# 228-580 B under 3.9, none under 3.6): 32-row programs (``mr32``; 4 head blocks, no spill
+# under either) and 16-token tiles at 4 stages (``bn16s4``; fp8 queries only spill-free).
 FP8Q_AB_SHAPES = ("64,16,4096,1,64,fp8q", "64,16,4096,1,64,fp8", "128,128,4096,1,64,fp8q",
                   "128,128,4096,1,64,fp8", "128,128,4096")
-FP8Q_AB_VARIANTS = ("base", "dq:fp8_qk=0")
+FP8Q_AB_VARIANTS = ("base", "dq:fp8_qk=0", "mr32:max_rows=32",
+                    "bn16s4:block_n=16,num_stages=4")
 
 
 def stage_ab_fp8q(_):
