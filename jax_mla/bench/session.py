@@ -307,6 +307,31 @@ def _ffi_library() -> str:
     return path
 
 
+# When device time is short: the fp8 decisions in two small A/Bs (16 heads: the tile's
+# conversion, programs an SM, float16 products, beside bf16; 128 heads: the tiles that fit
+# Triton 3.9 against the default, and dequantised queries), then the fp8 conformance cases.
+SHORT_FP8_ABS = (
+    ("ab_fp8_h16.json", ("base", "cvt0:fp8_convert_once=0", "c3:ctas_per_sm=3", "f16:fp8_f16=1"),
+     ("64,16,4096,1,64,fp8", "64,16,4096")),
+    ("ab_fp8_h128.json", ("base", "mr32:max_rows=32", "bn16s4:block_n=16,num_stages=4",
+                          "dq:fp8_qk=0"),
+     ("128,128,4096,1,64,fp8", "128,128,4096,1,64,fp8q")),
+)
+
+
+def stage_ab_fp8_short(_):
+    lib = _ffi_library()
+    for name, variants, shapes in SHORT_FP8_ABS:
+        _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--", *shapes],
+                300, name, JAX_MLA_FFI_LIBRARY=lib)
+
+
+def stage_conformance_fp8(_):
+    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
+             "triton and fp8"], 300, "fp8 conformance through the FFI launcher",
+            JAX_MLA_FFI_LIBRARY=_ffi_library())
+
+
 def stage_launcher_tests(_):
     lib = _ffi_library()
     log("FFI library", lib)
