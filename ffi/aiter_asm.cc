@@ -1,7 +1,8 @@
 // XLA FFI handlers that launch AITER's hand-written assembly MLA decode kernels (stage 1 of
-// `mla_decode_fwd`, persistent and split-KV) from the `.co` code objects of an installed AITER,
-// with jax_mla's own copy of the kernels' argument block. No torch, no AITER C++, no Python per
-// call.
+// `mla_decode_fwd`, persistent and split-KV) and its fp8 persistent-scheduling prefill kernel
+// (`mla_prefill_ps_asm_fwd`, at the end of this file) from the `.co` code objects of an
+// installed AITER, with jax_mla's own copy of the kernels' argument blocks. No torch, no AITER
+// C++, no Python per call.
 //
 // The argument block (`MlaAsmKernelArgs`) was read from ROCm/aiter at commit
 //   e4048607a535ace3a2b51ded31b1c8c2d45c0879 (2026-08-22), csrc/py_itfs_cu/asm_mla.cu,
@@ -551,6 +552,256 @@ ffi::Error PackStage(JAX_MLA_AITER_BUFFER_PARAMS, ffi::Result<ffi::AnyBuffer> pa
   return ffi::Error::Success();
 }
 
+// ---- the fp8 PS prefill: `mla_prefill_ps_asm_fwd` ---------------------------------------------
+//
+// Read from the same commit and file: `struct __attribute__((packed)) PsKernelArgs` and
+// `mla_prefill_ps_asm_fwd`. Fourteen pointers and five 32-bit scalars, each in its own 16-byte
+// slot (304 bytes); one workgroup of 8 wave64 per entry of work_indptr less one (the CUs the
+// PS plan was made for). AITER passes the query indptr as both qo_indptr and kv_indptr (the
+// new tokens attend to themselves); here they are separate operands. Whole-tile works write
+// `out`; split tiles write float32 partials and their LSE, which the caller merges (AITER's
+// `mla_reduce_v1`; jnp in jax_mla).
+
+struct __attribute__((packed)) MlaPsPrefillKernelArgs {
+  void* ptr_Q;               // q [tokens, heads, 192] fp8
+  Pad2 pad_q;
+  void* ptr_K;               // k [kv tokens, kv heads, 192] fp8
+  Pad2 pad_k;
+  void* ptr_V;               // v [kv tokens, kv heads, 128] fp8
+  Pad2 pad_v;
+  void* ptr_O;               // out [tokens, heads, 128] bf16
+  Pad2 pad_o;
+  void* ptr_PartialO;        // partials [rows, heads, 128] f32
+  Pad2 pad_partial_o;
+  void* ptr_PartialLSE;      // their LSE [rows, heads] f32 (natural log)
+  Pad2 pad_partial_lse;
+  void* ptr_WorkIndptr;      // int32 [CUs + 1]
+  Pad2 pad_work_indptr;
+  void* ptr_WorkInfo;        // int32 [works, 8]
+  Pad2 pad_work_info;
+  void* ptr_QOIndptr;        // int32 [batch + 1]
+  Pad2 pad_qo_indptr;
+  void* ptr_KVIndptr;        // int32 [batch + 1]
+  Pad2 pad_kv_indptr;
+  void* ptr_KVPageIndices;   // int32 [kv tokens used]
+  Pad2 pad_kv_page_indices;
+  void* ptr_QScale;          // float32 [1] or null
+  Pad2 pad_q_scale;
+  void* ptr_KScale;          // float32 [1] or null
+  Pad2 pad_k_scale;
+  void* ptr_VScale;          // float32 [1] or null
+  Pad2 pad_v_scale;
+  float scalar;              // softmax scale
+  Pad3 pad_scalar;
+  uint32_t num_q_tokens;     // q.shape[0]
+  Pad3 pad_num_q_tokens;
+  uint32_t num_head_q;       // q.shape[1]
+  Pad3 pad_num_head_q;
+  uint32_t num_page;         // k.shape[0]
+  Pad3 pad_num_page;
+  uint32_t num_used_page;    // kv_page_indices.shape[0]
+  Pad3 pad_num_used_page;
+};
+
+static_assert(sizeof(MlaPsPrefillKernelArgs) == 0x130, "AITER e4048607 PsKernelArgs is 304 bytes");
+#define JAX_MLA_AITER_PS_FIELDS(X)                                                          \
+  X(ptr_Q, 0x00) X(ptr_K, 0x10) X(ptr_V, 0x20) X(ptr_O, 0x30) X(ptr_PartialO, 0x40)          \
+  X(ptr_PartialLSE, 0x50) X(ptr_WorkIndptr, 0x60) X(ptr_WorkInfo, 0x70)                       \
+  X(ptr_QOIndptr, 0x80) X(ptr_KVIndptr, 0x90) X(ptr_KVPageIndices, 0xA0) X(ptr_QScale, 0xB0) \
+  X(ptr_KScale, 0xC0) X(ptr_VScale, 0xD0) X(scalar, 0xE0) X(num_q_tokens, 0xF0)              \
+  X(num_head_q, 0x100) X(num_page, 0x110) X(num_used_page, 0x120)
+#define JAX_MLA_AITER_PS_ASSERT_OFFSET(field, offset)                          \
+  static_assert(offsetof(MlaPsPrefillKernelArgs, field) == (offset),           \
+                "MlaPsPrefillKernelArgs::" #field " is not where AITER e4048607 has it");
+JAX_MLA_AITER_PS_FIELDS(JAX_MLA_AITER_PS_ASSERT_OFFSET)
+#undef JAX_MLA_AITER_PS_ASSERT_OFFSET
+
+constexpr int kPsBlockThreads = 512;  // 8 wave64 (mla_prefill_ps_asm_fwd's wave_per_tg)
+
+struct PsPacked {
+  MlaPsPrefillKernelArgs args;
+  uint32_t grid;
+};
+
+ffi::Error InvalidPs(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_mla_aiter_asm_prefill_ps: " + what);
+}
+
+ffi::ErrorOr<PsPacked> PackPs(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::AnyBuffer qo_indptr, ffi::AnyBuffer kv_indptr,
+                              ffi::AnyBuffer kv_page_indices, ffi::AnyBuffer work_indptr,
+                              ffi::AnyBuffer work_info, ffi::AnyBuffer q_scale,
+                              ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer out,
+                              ffi::AnyBuffer partial_o, ffi::AnyBuffer partial_lse,
+                              float softmax_scale) {
+  auto fail = [](const std::string& what) { return ffi::Unexpected(InvalidPs(what)); };
+  for (auto [buf, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
+    if (buf->dimensions().size() != 3) {
+      return fail(std::string(name) + " must be [tokens, heads, head_dim], got " + Dims(*buf));
+    }
+    if (!IsFp8(buf->element_type())) return fail(std::string(name) + " must be float8_e4m3");
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd[2] != kd[2]) return fail("q " + Dims(q) + " and k " + Dims(k) + " differ in head_dim");
+  if (vd[0] != kd[0] || vd[1] != kd[1]) {
+    return fail("v " + Dims(v) + " must have k's tokens and heads " + Dims(k));
+  }
+  if (kd[1] < 1 || qd[1] % kd[1] != 0) {
+    return fail("q's heads must be a multiple of k's: q " + Dims(q) + ", k " + Dims(k));
+  }
+  if (out.element_type() != ffi::DataType::BF16 || out.dimensions().size() != 3 ||
+      out.dimensions()[0] != qd[0] || out.dimensions()[1] != qd[1] ||
+      out.dimensions()[2] != vd[2]) {
+    return fail("out must be bfloat16 [q tokens, q heads, v head_dim], got " + Dims(out));
+  }
+  if (partial_o.element_type() != ffi::DataType::F32 || partial_o.dimensions().size() != 3 ||
+      partial_o.dimensions()[1] != qd[1] || partial_o.dimensions()[2] != vd[2]) {
+    return fail("partial_o must be float32 [rows, q heads, v head_dim], got " + Dims(partial_o));
+  }
+  if (partial_lse.element_type() != ffi::DataType::F32 ||
+      partial_lse.dimensions().size() != 2 ||
+      partial_lse.dimensions()[0] != partial_o.dimensions()[0] ||
+      partial_lse.dimensions()[1] != qd[1]) {
+    return fail("partial_lse must be float32 [rows, q heads], got " + Dims(partial_lse));
+  }
+  for (auto [buf, name] : {std::pair{&qo_indptr, "qo_indptr"}, {&kv_indptr, "kv_indptr"},
+                           {&kv_page_indices, "kv_page_indices"},
+                           {&work_indptr, "work_indptr"}, {&work_info, "work_info"}}) {
+    if (buf->element_type() != ffi::DataType::S32) return fail(std::string(name) + " must be int32");
+  }
+  if (qo_indptr.element_count() < 1 || kv_indptr.element_count() != qo_indptr.element_count()) {
+    return fail("qo_indptr and kv_indptr must both have batch + 1 entries");
+  }
+  if (work_indptr.element_count() < 1 || work_info.element_count() == 0 ||
+      work_info.element_count() % 8 != 0) {
+    return fail("the PS plan needs work_indptr [CUs + 1] and work_info [works, 8]");
+  }
+  for (auto [buf, name] : {std::pair{&q_scale, "q_scale"}, {&k_scale, "k_scale"},
+                           {&v_scale, "v_scale"}}) {
+    if (buf->element_count() != 0 &&
+        (buf->element_type() != ffi::DataType::F32 || buf->element_count() != 1)) {
+      return fail(std::string(name) + " must be float32[1] or absent");
+    }
+  }
+  for (int64_t n : {qd[0], qd[1], kd[0], static_cast<int64_t>(kv_page_indices.element_count())}) {
+    if (n > UINT32_MAX) return fail("a size exceeds the kernel's 32-bit arguments");
+  }
+  PsPacked p{};
+  MlaPsPrefillKernelArgs& a = p.args;
+  a.ptr_Q = Ptr(q);
+  a.ptr_K = Ptr(k);
+  a.ptr_V = Ptr(v);
+  a.ptr_O = Ptr(out);
+  a.ptr_PartialO = Ptr(partial_o);
+  a.ptr_PartialLSE = Ptr(partial_lse);
+  a.ptr_WorkIndptr = Ptr(work_indptr);
+  a.ptr_WorkInfo = Ptr(work_info);
+  a.ptr_QOIndptr = Ptr(qo_indptr);
+  a.ptr_KVIndptr = Ptr(kv_indptr);
+  a.ptr_KVPageIndices = Ptr(kv_page_indices);
+  a.ptr_QScale = Ptr(q_scale);
+  a.ptr_KScale = Ptr(k_scale);
+  a.ptr_VScale = Ptr(v_scale);
+  a.scalar = softmax_scale;
+  a.num_q_tokens = static_cast<uint32_t>(qd[0]);
+  a.num_head_q = static_cast<uint32_t>(qd[1]);
+  a.num_page = static_cast<uint32_t>(kd[0]);
+  a.num_used_page = static_cast<uint32_t>(kv_page_indices.element_count());
+  p.grid = static_cast<uint32_t>(work_indptr.element_count() - 1);
+  return p;
+}
+
+#define JAX_MLA_AITER_PS_BUFFER_PARAMS                                                        \
+  ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer qo_indptr,            \
+      ffi::AnyBuffer kv_indptr, ffi::AnyBuffer kv_page_indices, ffi::AnyBuffer work_indptr,  \
+      ffi::AnyBuffer work_info, ffi::AnyBuffer q_scale, ffi::AnyBuffer k_scale,              \
+      ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> out,                               \
+      ffi::Result<ffi::AnyBuffer> partial_o, ffi::Result<ffi::AnyBuffer> partial_lse
+#define JAX_MLA_AITER_PS_BUFFER_ARGS                                                          \
+  q, k, v, qo_indptr, kv_indptr, kv_page_indices, work_indptr, work_info, q_scale, k_scale,  \
+      v_scale, *out, *partial_o, *partial_lse
+#define JAX_MLA_AITER_PS_ATTR_PARAMS \
+  std::string_view co_path, std::string_view kernel_name, float softmax_scale
+
+template <typename Binding>
+auto BindPs(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .template Arg<ffi::AnyBuffer>()  // qo_indptr
+      .template Arg<ffi::AnyBuffer>()  // kv_indptr
+      .template Arg<ffi::AnyBuffer>()  // kv_page_indices
+      .template Arg<ffi::AnyBuffer>()  // work_indptr
+      .template Arg<ffi::AnyBuffer>()  // work_info
+      .template Arg<ffi::AnyBuffer>()  // q_scale or empty
+      .template Arg<ffi::AnyBuffer>()  // k_scale or empty
+      .template Arg<ffi::AnyBuffer>()  // v_scale or empty
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // partial_o
+      .template Ret<ffi::AnyBuffer>();  // partial_lse
+}
+
+template <typename Binding>
+auto BindPsAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<std::string_view>("co_path")
+      .template Attr<std::string_view>("kernel_name")
+      .template Attr<float>("softmax_scale");
+}
+
+template <typename Binding>
+auto BindPsGpu(Binding binding) {
+  return BindPsAttrs(BindPs(std::move(binding)
+                                .template Ctx<ffi::PlatformStream<void*>>()
+                                .template Ctx<ffi::DeviceOrdinal>()));
+}
+
+ffi::Error InitializePs(void*, int32_t device, JAX_MLA_AITER_PS_BUFFER_PARAMS,
+                        JAX_MLA_AITER_PS_ATTR_PARAMS) {
+  auto function = GetFunction(device, co_path, kernel_name);
+  return function.has_error() ? function.error() : ffi::Error::Success();
+}
+
+ffi::Error ExecutePs(void* stream, int32_t device, JAX_MLA_AITER_PS_BUFFER_PARAMS,
+                     JAX_MLA_AITER_PS_ATTR_PARAMS) {
+  auto packed = PackPs(JAX_MLA_AITER_PS_BUFFER_ARGS, softmax_scale);
+  if (packed.has_error()) return packed.error();
+  auto function = GetFunction(device, co_path, kernel_name);  // cached at initialize
+  if (function.has_error()) return function.error();
+  PsPacked& p = *packed;
+  if (p.grid == 0) return ffi::Error::Success();
+  const Hip& hip = GetHip();
+  size_t arg_size = sizeof(MlaPsPrefillKernelArgs);
+  void* config[] = {reinterpret_cast<void*>(0x01), &p.args, reinterpret_cast<void*>(0x02),
+                    &arg_size, reinterpret_cast<void*>(0x03)};
+  if (HipResult r = hip.launch_kernel(*function, p.grid, 1, 1, kPsBlockThreads, 1, 1, 0, stream,
+                                      nullptr, config);
+      r != 0) {
+    return ffi::Error::Internal("jax_mla: launching AITER's " + std::string(kernel_name) +
+                                " from " + std::string(co_path) + " failed (" +
+                                hip.Describe(r) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+// The CPU twin: the argument block's bytes, then the grid and block (six uint32).
+constexpr size_t kPsPackBytes = sizeof(MlaPsPrefillKernelArgs) + 6 * sizeof(uint32_t);
+
+ffi::Error PackPsStage(JAX_MLA_AITER_PS_BUFFER_PARAMS, ffi::Result<ffi::AnyBuffer> packed_bytes,
+                       JAX_MLA_AITER_PS_ATTR_PARAMS) {
+  auto packed = PackPs(JAX_MLA_AITER_PS_BUFFER_ARGS, softmax_scale);
+  if (packed.has_error()) return packed.error();
+  if (packed_bytes->size_bytes() != kPsPackBytes) {
+    return InvalidPs("the packing result must be uint8[" + std::to_string(kPsPackBytes) + "]");
+  }
+  auto* dst = static_cast<uint8_t*>(packed_bytes->untyped_data());
+  std::memcpy(dst, &packed->args, sizeof(packed->args));
+  const uint32_t launch[6] = {packed->grid, 1, 1, kPsBlockThreads, 1, 1};
+  std::memcpy(dst + sizeof(packed->args), launch, sizeof(launch));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace aiter_asm
 }  // namespace jax_mla
@@ -560,6 +811,9 @@ ffi::Error PackStage(JAX_MLA_AITER_BUFFER_PARAMS, ffi::Result<ffi::AnyBuffer> pa
 JAX_MLA_EXPORT_HANDLER(JaxMlaAiterAsmInitializeRocm)
 JAX_MLA_EXPORT_HANDLER(JaxMlaAiterAsmExecuteRocm)
 JAX_MLA_EXPORT_HANDLER(JaxMlaAiterAsmPackCpu)
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterPsPrefillInitializeRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterPsPrefillExecuteRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterPsPrefillPackCpu)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaAiterAsmInitializeRocm, jax_mla::aiter_asm::InitializeStage,
                               jax_mla::aiter_asm::BindGpu(ffi::Ffi::BindInitialize()));
@@ -571,6 +825,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_mla::aiter_asm::BindAttrs(
         jax_mla::aiter_asm::BindBuffers(ffi::Ffi::Bind()).Ret<ffi::AnyBuffer>()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaAiterPsPrefillInitializeRocm, jax_mla::aiter_asm::InitializePs,
+                              jax_mla::aiter_asm::BindPsGpu(ffi::Ffi::BindInitialize()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaAiterPsPrefillExecuteRocm, jax_mla::aiter_asm::ExecutePs,
+                              jax_mla::aiter_asm::BindPsGpu(ffi::Ffi::Bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaAiterPsPrefillPackCpu, jax_mla::aiter_asm::PackPsStage,
+    jax_mla::aiter_asm::BindPsAttrs(
+        jax_mla::aiter_asm::BindPs(ffi::Ffi::Bind()).Ret<ffi::AnyBuffer>()));
+
 // The argument block's layout as "name:offset;..." (offsets in bytes) plus "size:N", copied
 // into `buffer`; returns the full length. native.py checks its own table against this.
 extern "C" __attribute__((visibility("default"))) int JaxMlaAiterAsmLayout(char* buffer,
@@ -581,6 +845,20 @@ extern "C" __attribute__((visibility("default"))) int JaxMlaAiterAsmLayout(char*
   JAX_MLA_AITER_FIELDS(JAX_MLA_AITER_DESCRIBE)
 #undef JAX_MLA_AITER_DESCRIBE
   s += "size:" + std::to_string(sizeof(jax_mla::aiter_asm::MlaAsmKernelArgs));
+  if (size > 0) std::snprintf(buffer, static_cast<size_t>(size), "%s", s.c_str());
+  return static_cast<int>(s.size());
+}
+
+// The PS prefill's argument block, in the same form.
+extern "C" __attribute__((visibility("default"))) int JaxMlaAiterPsPrefillLayout(char* buffer,
+                                                                                 int size) {
+  std::string s;
+#define JAX_MLA_AITER_DESCRIBE(field, offset)                                                  \
+  s += #field ":" +                                                                            \
+       std::to_string(offsetof(jax_mla::aiter_asm::MlaPsPrefillKernelArgs, field)) + ";";
+  JAX_MLA_AITER_PS_FIELDS(JAX_MLA_AITER_DESCRIBE)
+#undef JAX_MLA_AITER_DESCRIBE
+  s += "size:" + std::to_string(sizeof(jax_mla::aiter_asm::MlaPsPrefillKernelArgs));
   if (size > 0) std::snprintf(buffer, static_cast<size_t>(size), "%s", s.c_str());
   return static_cast<int>(s.size());
 }

@@ -23,7 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_mla import heads as _heads
-from jax_mla.backends.aiter import bridge, gluon_kernels, native, triton_kernels
+from jax_mla.backends.aiter import bridge, gluon_kernels, native, native_prefill, triton_kernels
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.plan import AiterPlan, make_plan
 from jax_mla.backends.aiter.schedule import VIEWS, build_schedule
@@ -150,6 +150,21 @@ class AiterBackend(Backend):
         return bridge.asm_decode(q, kv_cache, md, route, sched, **kw)
 
     @staticmethod
+    def _fp8_prefill(q, k, v, cu_q, *, rocm: bool, **kw):
+        """The fp8 PS prefill: on ROCm AITER's asm kernel launched by jax_mla
+        (``native_prefill.py``) when the install has it and it matches, else the Python bridge
+        (warned once per process); elsewhere (CPU tests) the bridge."""
+        if rocm:
+            reason = native_prefill.unavailable_reason(kw["arch"])
+            if reason is None:
+                try:
+                    return native_prefill.fp8_prefill(q, k, v, cu_q, **kw)
+                except (native.AiterInstallError, NotImplementedError) as e:
+                    reason = str(e)
+            native.warn_fallback(reason, native_prefill.FALLBACK_WHAT)
+        return bridge.fp8_prefill(q, k, v, cu_q, **kw)
+
+    @staticmethod
     def _gluon_decode(q, kv_cache, md, plan, sched, *, scale, kv_scale):
         """The small-head Gluon routes: on ROCm the installed AITER's two kernels launched by
         jax_mla (``gluon_kernels.py``: the FFI launcher) when they are there and match the
@@ -228,11 +243,11 @@ class AiterBackend(Backend):
         live = jnp.arange(q.shape[0], dtype=jnp.int32) < cu_q[-1]  # rows past cu_q[-1]: padding
         if use_ps:
             # AITER plans for the device's CUs; off ROCm, for the arch's flagship part.
-            out = bridge.fp8_prefill(q, k, v, cu_q, max_query_len=max_seqlen, scale=scale,
-                                     arch=arch, q_scale=q_scale, k_scale=k_scale,
-                                     v_scale=v_scale,
-                                     num_cu=target.num_cores if target.platform == "rocm"
-                                     else None)
+            out = self._fp8_prefill(q, k, v, cu_q, max_query_len=max_seqlen, scale=scale,
+                                    arch=arch, q_scale=q_scale, k_scale=k_scale,
+                                    v_scale=v_scale, rocm=target.platform == "rocm",
+                                    num_cu=target.num_cores if target.platform == "rocm"
+                                    else None)
             return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), None
         q, k, v = dequantize_qkv(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                  dtype=jnp.bfloat16)

@@ -205,12 +205,14 @@ def code_object_kernels(path: str) -> dict:
 
 
 @functools.cache
-def check_code_object(path: str, kernel_name: str) -> None:
+def check_code_object(path: str, kernel_name: str, layout=KERNEL_ARGS_LAYOUT,
+                      size: int = KERNEL_ARGS_SIZE) -> None:
     """Refuse a ``.co`` that does not define ``kernel_name`` or whose declared arguments do not
-    fit :data:`KERNEL_ARGS_LAYOUT`: every named argument must start in one of our 16-byte slots
-    and be at most 8 bytes, or be one raw view of the block's first N bytes (N <= 368, a
-    multiple of 16); AITER's ``pad`` entries are ignored. At the pinned commit every decode
-    kernel of gfx942 and gfx950 passes (checked against all of their ``.co`` files)."""
+    fit ``layout`` (default :data:`KERNEL_ARGS_LAYOUT`, ``size`` bytes): every named argument
+    must start in one of our 16-byte slots and be at most 8 bytes, or be one raw view of the
+    block's first N bytes (N <= ``size``, a multiple of 16); AITER's ``pad`` entries are
+    ignored. At the pinned commit every decode kernel of gfx942 and gfx950 passes (checked
+    against all of their ``.co`` files)."""
     try:
         kernels = code_object_kernels(path)
     except ImportError as e:
@@ -222,13 +224,13 @@ def check_code_object(path: str, kernel_name: str) -> None:
     if kernel_name not in kernels:
         raise AiterInstallError(f"AITER's code object {path} does not define {kernel_name} "
                                 f"(it defines {sorted(k for k in kernels if k)})")
-    slots = {off for _, off, _ in KERNEL_ARGS_LAYOUT}
+    slots = {off for _, off, _ in layout}
 
     def fits(a):
-        off, size = a.get(".offset", -1), a.get(".size", 0)
-        if off == 0 and size > 8:  # one raw view of the block's head (gfx942 a8w8 qh64)
-            return size <= KERNEL_ARGS_SIZE and size % 16 == 0
-        return off in slots and size <= 8
+        off, width = a.get(".offset", -1), a.get(".size", 0)
+        if off == 0 and width > 8:  # one raw view of the block's head (gfx942 a8w8 qh64)
+            return width <= size and width % 16 == 0
+        return off in slots and width <= 8
 
     bad = [(a.get(".name"), a.get(".offset"), a.get(".size"))
            for a in kernels[kernel_name].get(".args", [])
@@ -236,7 +238,8 @@ def check_code_object(path: str, kernel_name: str) -> None:
     if bad:
         raise AiterInstallError(
             f"{kernel_name} in {path} declares arguments outside the argument block jax_mla "
-            f"packs (ROCm/aiter {AITER_COMMIT[:8]}: 23 fields in 16-byte slots, 368 bytes): "
+            f"packs (ROCm/aiter {AITER_COMMIT[:8]}: {len(layout)} fields in 16-byte slots, "
+            f"{size} bytes): "
             f"{bad}. Install an AITER whose asm MLA kernels match, or use the Python bridge")
 
 
@@ -352,6 +355,15 @@ def select_kernel(table: KernelTable, **call) -> KernelChoice:
     """The first row of ``table`` matching :func:`kernel_key` (AITER's
     ``get_heuristic_kernel_mla``), with its ``.co`` checked to exist."""
     key, sub_q, s_mqa = kernel_key(**call)
+    return find_kernel(table, key, sub_q=sub_q, s_mqa=s_mqa)
+
+
+def find_kernel(table: KernelTable, key: dict, *, sub_q: int = 0, s_mqa: int = 0,
+                layout=KERNEL_ARGS_LAYOUT, size: int = KERNEL_ARGS_SIZE,
+                what: str = "asm MLA decode") -> KernelChoice:
+    """AITER's ``get_heuristic_kernel_mla`` lookup: the first row of ``table`` whose columns
+    equal ``key`` (absent columns read 0), with its ``.co`` checked to exist and to fit
+    ``layout``."""
     for r in table.rows:
         if all(str(r.get(k) or 0) == str(v) for k, v in key.items()):
             co = os.path.join(table.directory, r["co_name"])
@@ -359,10 +371,10 @@ def select_kernel(table: KernelTable, **call) -> KernelChoice:
                 raise AiterInstallError(
                     f"AITER's kernel table {table.path} names {r['co_name']} for {key}, but "
                     f"{co} does not exist: the AITER install is incomplete")
-            check_code_object(co, r["knl_name"])
+            check_code_object(co, r["knl_name"], layout, size)
             return KernelChoice(r["knl_name"], co, sub_q, s_mqa, tuple(sorted(key.items())))
     raise NotImplementedError(
-        f"AITER's kernel table {table.path} has no asm MLA decode kernel for {key} (AITER "
+        f"AITER's kernel table {table.path} has no {what} kernel for {key} (AITER "
         "itself fails with 'cannot get heuristic kernel' here)")
 
 
