@@ -326,6 +326,13 @@ def stage_ab_fp8_short(_):
                 300, name, JAX_MLA_FFI_LIBRARY=lib)
 
 
+def stage_ab_fp8_h128(_):
+    """Only the 128-head half of :func:`stage_ab_fp8_short`."""
+    name, variants, shapes = SHORT_FP8_ABS[1]
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--", *shapes],
+            300, name, JAX_MLA_FFI_LIBRARY=_ffi_library())
+
+
 def stage_conformance_fp8(_):
     _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
              "triton and fp8"], 300, "fp8 conformance through the FFI launcher",
