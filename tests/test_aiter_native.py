@@ -33,7 +33,7 @@ import pytest
 from test_aiter_kernel_set import PINNED_CSV
 
 import jax_mla
-from jax_mla.backends.aiter import build_aiter_decode_metadata, native
+from jax_mla.backends.aiter import build_aiter_decode_metadata, native, native_prefill
 from jax_mla.backends.triton import ffi_launch
 from jax_mla.problem import Target
 
@@ -108,7 +108,7 @@ def fake_aiter(tmp_path, monkeypatch):
 def test_library_registers_the_targets():
     native.register()
     native.register()  # idempotent
-    assert {"ROCM", "cpu"} <= native._registered
+    assert {(native.TARGET_NAME, "ROCM"), (native.TARGET_NAME, "cpu")} <= native._registered
 
 
 def test_rocm_handler_is_registered_command_buffer_compatible(monkeypatch):
@@ -118,10 +118,12 @@ def test_rocm_handler_is_registered_command_buffer_compatible(monkeypatch):
         lambda name, fn, platform, **kw: seen.setdefault((name, platform), (fn, kw)))
     monkeypatch.setattr(native, "_registered", set())
     native.register()
-    fn, kw = seen[(native.TARGET_NAME, "ROCM")]
-    assert set(fn) == {"initialize", "execute"}
-    assert kw["traits"] == ffi_launch.command_buffer_traits()
-    assert (native.PACK_TARGET_NAME, "cpu") in seen
+    native_prefill.register()
+    for mod in (native, native_prefill):
+        fn, kw = seen[(mod.TARGET_NAME, "ROCM")]
+        assert set(fn) == {"initialize", "execute"}
+        assert kw["traits"] == ffi_launch.command_buffer_traits()
+        assert (mod.PACK_TARGET_NAME, "cpu") in seen
 
 
 def test_library_layout_is_aiters_at_the_pinned_commit():
@@ -136,14 +138,15 @@ def test_library_layout_is_aiters_at_the_pinned_commit():
 
 # --- the CPU twin's packing -------------------------------------------------------------------
 
-def _unpack(b: np.ndarray):
+def _unpack(b: np.ndarray, layout=native.KERNEL_ARGS_LAYOUT, size=native.KERNEL_ARGS_SIZE):
+    """A CPU twin's bytes: ``({field: value}, (grid xyz, block xyz))``; padding checked zero."""
     fields = {}
-    for name, off, kind in native.KERNEL_ARGS_LAYOUT:
+    for name, off, kind in layout:
         width = 8 if kind == "ptr" else 4
         dt = {"ptr": "<u8", "f32": "<f4", "u32": "<u4"}[kind]
         fields[name] = b[off:off + width].view(dt)[0]
         assert not b[off + width:off + 16].any(), f"padding after {name} is not zero"
-    launch = b[native.KERNEL_ARGS_SIZE:].view("<u4")
+    launch = b[size:].view("<u4")
     return fields, tuple(int(x) for x in launch)
 
 

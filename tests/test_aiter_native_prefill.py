@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from test_aiter_kernel_set import PINNED_CSV
 from test_aiter_native import _fake_aiter, code_object
+from test_aiter_native import _unpack as _unpack_block
 
 from jax_mla.backends import aiter as aiter_backend
 from jax_mla.backends.aiter import capabilities as caps
@@ -70,17 +71,12 @@ def test_library_layout_is_aiters_ps_kernel_args():
     native_prefill.check_library_layout()
     native_prefill.register()
     native_prefill.register()  # idempotent
+    assert {(native_prefill.TARGET_NAME, "ROCM"),
+            (native_prefill.TARGET_NAME, "cpu")} <= native._registered
 
 
 def _unpack(b: np.ndarray):
-    fields = {}
-    for name, off, kind in native_prefill.KERNEL_ARGS_LAYOUT:
-        width = 8 if kind == "ptr" else 4
-        dt = {"ptr": "<u8", "f32": "<f4", "u32": "<u4"}[kind]
-        fields[name] = b[off:off + width].view(dt)[0]
-        assert not b[off + width:off + 16].any(), f"padding after {name} is not zero"
-    launch = b[native_prefill.KERNEL_ARGS_SIZE:].view("<u4")
-    return fields, tuple(int(x) for x in launch)
+    return _unpack_block(b, native_prefill.KERNEL_ARGS_LAYOUT, native_prefill.KERNEL_ARGS_SIZE)
 
 
 CHOICE = native.KernelChoice("_ZN5aiter3fooE", "/nonexistent/foo.co", 0, 0, ())

@@ -486,48 +486,59 @@ def library_error() -> str | None:
     return None
 
 
-def library_layout() -> dict[str, int]:
-    """The argument block's layout as the compiled library has it: ``{field: offset, "size"}``."""
+def library_layout(symbol: str = "JaxMlaAiterAsmLayout") -> dict[str, int]:
+    """An argument block's layout as the compiled library has it (``symbol``: the library's
+    describing function; default the decode's): ``{field: offset, "size"}``."""
     buf = ctypes.create_string_buffer(4096)
-    _library().JaxMlaAiterAsmLayout(buf, len(buf))
+    getattr(_library(), symbol)(buf, len(buf))
     return {k: int(v) for k, v in (item.split(":") for item in buf.value.decode().split(";"))}
 
 
-def check_library_layout() -> None:
-    """Raise if the library's argument block differs from :data:`KERNEL_ARGS_LAYOUT`."""
-    got = library_layout()
-    want = {name: off for name, off, _ in KERNEL_ARGS_LAYOUT} | {"size": KERNEL_ARGS_SIZE}
+def check_library_layout(symbol: str = "JaxMlaAiterAsmLayout", layout=KERNEL_ARGS_LAYOUT,
+                         size: int = KERNEL_ARGS_SIZE, here: str = "native.py") -> None:
+    """Raise if the library's argument block (``symbol``) differs from ``layout`` (default the
+    decode's, :data:`KERNEL_ARGS_LAYOUT`), as written in ``here``."""
+    got = library_layout(symbol)
+    want = {name: off for name, off, _ in layout} | {"size": size}
     if got != want:
         diff = {k: (got.get(k), want.get(k)) for k in set(got) | set(want)
                 if got.get(k) != want.get(k)}
         raise AiterInstallError(f"jax_mla's FFI library lays out AITER's kernel arguments "
-                                f"differently from native.py: {diff} (library, native.py)")
+                                f"differently from {here}: {diff} (library, {here})")
 
 
 _REGISTER_LOCK = threading.Lock()
-_registered: set[str] = set()
+_registered: set[tuple[str, str]] = set()
 
 
-def register(platforms=("ROCM", "cpu")) -> None:
-    """Register the handlers with XLA (idempotent; no GPU needed)."""
+def register_handlers(target: str, pack_target: str, symbols: str,
+                      platforms=("ROCM", "cpu")) -> None:
+    """Register the library's ``<symbols>InitializeRocm`` / ``<symbols>ExecuteRocm`` pair as
+    ``target`` on ROCm and ``<symbols>PackCpu`` as ``pack_target`` on CPU (idempotent; no GPU
+    needed)."""
     from jax_mla.backends.triton import ffi_launch
 
     with _REGISTER_LOCK:
         for platform in platforms:
-            if platform in _registered:
+            if (target, platform) in _registered:
                 continue
             lib = _library()
             if platform == "cpu":
-                jax.ffi.register_ffi_target(PACK_TARGET_NAME,
-                                            jax.ffi.pycapsule(lib.JaxMlaAiterAsmPackCpu),
+                jax.ffi.register_ffi_target(pack_target,
+                                            jax.ffi.pycapsule(getattr(lib, symbols + "PackCpu")),
                                             platform="cpu")
             else:
                 jax.ffi.register_ffi_target(
-                    TARGET_NAME,
-                    {"initialize": jax.ffi.pycapsule(lib.JaxMlaAiterAsmInitializeRocm),
-                     "execute": jax.ffi.pycapsule(lib.JaxMlaAiterAsmExecuteRocm)},
+                    target,
+                    {"initialize": jax.ffi.pycapsule(getattr(lib, symbols + "InitializeRocm")),
+                     "execute": jax.ffi.pycapsule(getattr(lib, symbols + "ExecuteRocm"))},
                     platform=platform, traits=ffi_launch.command_buffer_traits())
-            _registered.add(platform)
+            _registered.add((target, platform))
+
+
+def register(platforms=("ROCM", "cpu")) -> None:
+    """Register the asm decode's handlers with XLA (idempotent; no GPU needed)."""
+    register_handlers(TARGET_NAME, PACK_TARGET_NAME, "JaxMlaAiterAsm", platforms)
 
 
 def unavailable_reason(arch: str) -> str | None:

@@ -26,9 +26,6 @@ runs on partials written by the stand-in kernel (tests/test_aiter_native_prefill
 
 from __future__ import annotations
 
-import ctypes
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,46 +74,18 @@ def library_error() -> str | None:
 
 def library_layout() -> dict[str, int]:
     """The argument block as the compiled library lays it out: ``{field: offset, "size"}``."""
-    buf = ctypes.create_string_buffer(4096)
-    native._library().JaxMlaAiterPsPrefillLayout(buf, len(buf))
-    return {k: int(v) for k, v in (item.split(":") for item in buf.value.decode().split(";"))}
+    return native.library_layout("JaxMlaAiterPsPrefillLayout")
 
 
 def check_library_layout() -> None:
     """Raise if the library's argument block differs from :data:`KERNEL_ARGS_LAYOUT`."""
-    got = library_layout()
-    want = {name: off for name, off, _ in KERNEL_ARGS_LAYOUT} | {"size": KERNEL_ARGS_SIZE}
-    if got != want:
-        diff = {k: (got.get(k), want.get(k)) for k in set(got) | set(want)
-                if got.get(k) != want.get(k)}
-        raise AiterInstallError(f"jax_mla's FFI library lays out the PS prefill's arguments "
-                                f"differently from native_prefill.py: {diff} (library, here)")
-
-
-_REGISTER_LOCK = threading.Lock()
-_registered: set[str] = set()
+    native.check_library_layout("JaxMlaAiterPsPrefillLayout", KERNEL_ARGS_LAYOUT,
+                                KERNEL_ARGS_SIZE, "native_prefill.py")
 
 
 def register(platforms=("ROCM", "cpu")) -> None:
     """Register the handlers with XLA (idempotent; no GPU needed)."""
-    from jax_mla.backends.triton import ffi_launch
-
-    with _REGISTER_LOCK:
-        for platform in platforms:
-            if platform in _registered:
-                continue
-            lib = native._library()
-            if platform == "cpu":
-                jax.ffi.register_ffi_target(PACK_TARGET_NAME,
-                                            jax.ffi.pycapsule(lib.JaxMlaAiterPsPrefillPackCpu),
-                                            platform="cpu")
-            else:
-                jax.ffi.register_ffi_target(
-                    TARGET_NAME,
-                    {"initialize": jax.ffi.pycapsule(lib.JaxMlaAiterPsPrefillInitializeRocm),
-                     "execute": jax.ffi.pycapsule(lib.JaxMlaAiterPsPrefillExecuteRocm)},
-                    platform=platform, traits=ffi_launch.command_buffer_traits())
-            _registered.add(platform)
+    native.register_handlers(TARGET_NAME, PACK_TARGET_NAME, "JaxMlaAiterPsPrefill", platforms)
 
 
 def select_kernel(table: native.KernelTable, *, causal: bool, gqa: int = 1) -> KernelChoice:
