@@ -128,6 +128,7 @@ def test_the_reduce_entry_merges_the_splits_that_hold_data(rng, qlen):
 LOWER = r"""
 import json, re, sys
 sys.path.insert(0, TESTS)
+from lowering import lowered_launches
 import jax, jax.numpy as jnp
 import jax_mla
 from jax_mla.backends.aiter import build_aiter_decode_metadata, gluon_kernels
@@ -155,22 +156,11 @@ with standin(arch="gfx950", cu_num=8):
         lowered = jax.jit(step).trace(q, cache, bt, lens).lower(lowering_platforms=("rocm",))
         text = lowered.as_text()
         hlo = lowered.compiler_ir("hlo").as_hlo_text()
-        calls = [l for l in text.splitlines() if "custom_call" in l]
         cfg = gluon_kernels.launch_config(batch=b, qlen=qlen, num_heads=heads, kv_fp8=False,
                                           kv_bytes=cache.size * 2)
         res[f"{heads},{qlen},{b}"] = dict(
-            kinds=kinds,
-            targets=[l.split("@")[1].split("(")[0] for l in calls],
-            kernels=[re.search(r'kernel_name = "(\w+)"', l).group(1) for l in calls],
-            elf=[bool(re.search(r'binary = dense<"0x7F454C46', l)) for l in calls],
-            lowered_target=[re.search(r'target = "(\w+)"', l).group(1) for l in calls],
-            typed=sum("api_version=API_VERSION_TYPED_FFI" in l for l in hlo.splitlines()
-                      if "custom-call(" in l),
-            grid=[[int(re.search(k + r" = (\d+)", l).group(1))
-                   for k in ("grid_x", "grid_y", "grid_z")] for l in calls],
-            threads=[int(re.search(r"block_threads = (\d+)", l).group(1)) for l in calls],
-            want=[list(cfg.grid)] + ([list(cfg.reduce_grid)] if cfg.num_kv_splits > 1 else []),
-            callbacks=sum("callback" in l for l in text.splitlines() + hlo.splitlines()))
+            kinds=kinds, **lowered_launches(text, hlo),
+            want=[list(cfg.grid)] + ([list(cfg.reduce_grid)] if cfg.num_kv_splits > 1 else []))
 print(json.dumps(res))
 """
 
@@ -192,7 +182,8 @@ def test_the_route_lowers_for_rocm_to_our_typed_ffi_calls_only(tmp_path):
         assert set(got["kinds"]) == {kind}, got
         assert got["kernels"] == kernels, (key, got)
         assert got["targets"] == [ffi_launch.TARGET_NAME] * len(kernels), (key, got)
-        assert got["typed"] == len(kernels) and all(got["elf"]), (key, got)
+        assert got["typed"] == [f'"{ffi_launch.TARGET_NAME}" typed'] * len(kernels), (key, got)
+        assert all(got["elf"]), (key, got)
         assert got["lowered_target"] == ["gfx950"] * len(kernels), (key, got)
         assert got["grid"] == got["want"], (key, got)
         assert got["threads"] == [256, 512][:len(kernels)], (key, got)  # 4 / 8 wave64 warps

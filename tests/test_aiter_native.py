@@ -54,10 +54,10 @@ bf16,bf16,64,1,1,0,1,1,0,_ZN5aiter45mla_a16w16_qh64_qseqlen1_gqaratio64_lse_v3_p
 """
 
 
-def _aiter_args(extra=()):
-    """The ``.args`` AITER's kernels declare: one per field, then ``pad`` entries."""
+def _aiter_args(extra=(), layout=native.KERNEL_ARGS_LAYOUT):
+    """The ``.args`` AITER's kernels declare: one per field of ``layout``, then ``pad``s."""
     args = []
-    for name, off, kind in native.KERNEL_ARGS_LAYOUT:
+    for name, off, kind in layout:
         size = 8 if kind == "ptr" else 4
         args.append((name, off, size))
         args += [("pad", o, 4) for o in range(off + size, off + 16, 4)]

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_aiter_kernel_set import PINNED_CSV
-from test_aiter_native import _fake_aiter, code_object
+from test_aiter_native import _aiter_args, _fake_aiter, code_object
 from test_aiter_native import _unpack as _unpack_block
 
 from jax_mla.backends import aiter as aiter_backend
@@ -43,12 +43,7 @@ PS_KERNELS = {True: "_ZN5aiter40mla_pfl_qh192_vh128_m32x8_n128x1_causal1E",
 
 def _ps_args(extra=()):
     """The ``.args`` a PS prefill code object declares: one per field, then ``pad``s."""
-    args = []
-    for name, off, kind in native_prefill.KERNEL_ARGS_LAYOUT:
-        size = 8 if kind == "ptr" else 4
-        args.append((name, off, size))
-        args += [("pad", o, 4) for o in range(off + size, off + 16, 4)]
-    return args + list(extra)
+    return _aiter_args(extra, native_prefill.KERNEL_ARGS_LAYOUT)
 
 
 @pytest.fixture

@@ -296,6 +296,7 @@ def test_num_segments_matches_the_standin_port(tile, max_kv, progs, cu):
 LOWER = r"""
 import json, re, sys
 sys.path.insert(0, TESTS)
+from lowering import lowered_launches
 import jax, jax.numpy as jnp, numpy as np
 import jax_mla
 from jax_mla.backends.aiter import build_aiter_decode_metadata, triton_kernels
@@ -344,25 +345,12 @@ with standin(arch="gfx950", cu_num=8):
             lowering_platforms=("rocm",))
         text = lowered.as_text()
         hlo = lowered.compiler_ir("hlo").as_hlo_text()
-        calls = [l for l in text.splitlines() if "custom_call" in l]
         cfg = triton_kernels.launch_config(rows=b * qlen, num_seqs=b * qlen, num_heads=heads,
                                            page_size=ps, max_seqlen_kv=mp * ps,
                                            kv_fp8=dt == "fp8", arch="gfx950", num_cu=8)
-        res[dt] = dict(
-            targets=[l.split("@")[1].split("(")[0] for l in calls],
-            kernels=[re.search(r'kernel_name = "(\w+)"', l).group(1) for l in calls
-                     if "kernel_name" in l],
-            elf=[bool(re.search(r'binary = dense<"0x7F454C46', l)) for l in calls],
-            typed=[l.split("custom_call_target=")[1].split(",")[0] + " " + (
-                "typed" if "api_version=API_VERSION_TYPED_FFI" in l else "legacy")
-                for l in hlo.splitlines() if "custom-call(" in l],
-            grid=[[int(re.search(k + r" = (\d+)", l).group(1)) for k in ("grid_x", "grid_y",
-                  "grid_z")] for l in calls],
-            threads=[int(re.search(r"block_threads = (\d+)", l).group(1)) for l in calls],
-            lowered_target=[re.search(r'target = "(\w+)"', l).group(1) for l in calls],
-            want_grid=list(cfg.grid), want_threads=cfg.num_warps * 64,
-            callbacks=sum("callback" in l for l in text.splitlines() + hlo.splitlines()),
-            waves=waves[:], want_waves=cfg.waves_per_eu)
+        res[dt] = dict(**lowered_launches(text, hlo), want_grid=list(cfg.grid),
+                       want_threads=cfg.num_warps * 64, waves=waves[:],
+                       want_waves=cfg.waves_per_eu)
 print(json.dumps(res))
 """
 

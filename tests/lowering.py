@@ -1,0 +1,31 @@
+"""Reading what a step lowered for a GPU platform launches (no side effects at import: the
+compile scripts of ``conftest.run_compiler_script`` import it without the test setup)."""
+
+from __future__ import annotations
+
+import re
+
+
+def lowered_launches(text: str, hlo: str) -> dict:
+    """What a step lowered for ROCm launches, from its StableHLO ``text`` and its ``hlo``: per
+    custom call its target, ``kernel_name``, whether its binary is an ELF, the arch it was
+    compiled for, grid and threads; each HLO custom call's target with ``typed`` or ``legacy``;
+    and how many lines mention a callback. For the scripts of :func:`run_compiler_script`."""
+    calls = [ln for ln in text.splitlines() if "custom_call" in ln]
+
+    def find(pattern, ln):
+        m = re.search(pattern, ln)
+        return m.group(1) if m else None
+
+    return dict(
+        targets=[ln.split("@")[1].split("(")[0] for ln in calls],
+        kernels=[find(r'kernel_name = "(\w+)"', ln) for ln in calls if "kernel_name" in ln],
+        elf=[bool(re.search(r'binary = dense<"0x7F454C46', ln)) for ln in calls],
+        lowered_target=[find(r'target = "(\w+)"', ln) for ln in calls],
+        grid=[[int(find(k + r" = (\d+)", ln)) for k in ("grid_x", "grid_y", "grid_z")]
+              for ln in calls],
+        threads=[int(find(r"block_threads = (\d+)", ln)) for ln in calls],
+        typed=[ln.split("custom_call_target=")[1].split(",")[0] + " " + (
+            "typed" if "api_version=API_VERSION_TYPED_FFI" in ln else "legacy")
+            for ln in hlo.splitlines() if "custom-call(" in ln],
+        callbacks=sum("callback" in ln for ln in text.splitlines() + hlo.splitlines()))
