@@ -3,6 +3,7 @@ compile scripts of ``conftest.run_compiler_script`` import it without the test s
 
 from __future__ import annotations
 
+import os
 import re
 
 
@@ -29,3 +30,22 @@ def lowered_launches(text: str, hlo: str) -> dict:
             "typed" if "api_version=API_VERSION_TYPED_FFI" in ln else "legacy")
             for ln in hlo.splitlines() if "custom-call(" in ln],
         callbacks=sum("callback" in ln for ln in text.splitlines() + hlo.splitlines()))
+
+
+def rocm_script(tmp_path, body: str) -> str:
+    """A compile script of ``body`` for :func:`conftest.run_compiler_script`: CPU jax, a fresh
+    kernel cache under ``tmp_path``, and ``TESTS`` (this folder) defined for its imports."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return (f"import os; os.environ['JAX_MLA_CACHE_DIR'] = {str(tmp_path)!r}; "
+            f"os.environ['JAX_PLATFORMS'] = 'cpu'\nTESTS = {tests!r}\n" + body)
+
+
+def one_typed_call(text: str, hlo: str, target: str) -> str:
+    """Assert that the lowered step calls ``target`` once, as a typed FFI call, and no Python
+    callback; return the StableHLO line of that call."""
+    calls = [m.group(1) for m in re.finditer(r"custom_call @(\w+)", text)]
+    assert calls.count(target) == 1, calls
+    assert not any("callback" in c for c in calls), calls
+    typed = [ln for ln in hlo.splitlines() if f'custom_call_target="{target}"' in ln]
+    assert len(typed) == 1 and "api_version=API_VERSION_TYPED_FFI" in typed[0], typed
+    return next(ln for ln in text.splitlines() if f"@{target}" in ln)

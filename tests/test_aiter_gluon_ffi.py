@@ -18,8 +18,6 @@ Nothing here has run on AMD hardware, and the stage-1 kernel has run nowhere.
 
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,6 +27,7 @@ from jax_mla.backends.triton import ffi_launch
 
 from aiter_standin.harness import forced_standins
 from conftest import run_compiler_script
+from lowering import rocm_script
 
 
 @pytest.mark.parametrize("batch,qlen,heads,splits,grid", [
@@ -170,10 +169,7 @@ print(json.dumps(res))
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton.backends.amd") is None,
                     reason="triton without its AMD backend")
 def test_the_route_lowers_for_rocm_to_our_typed_ffi_calls_only(tmp_path):
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script = (f"import os; os.environ['JAX_MLA_CACHE_DIR'] = {str(tmp_path)!r}; "
-              f"os.environ['JAX_PLATFORMS'] = 'cpu'\nTESTS = {tests!r}\n" + LOWER)
-    r = run_compiler_script(script, timeout=900)
+    r = run_compiler_script(rocm_script(tmp_path, LOWER), timeout=900)
     entry, reduce_ = "mla_aiter_gluon_entry_kernel", "mla_aiter_gluon_reduce_entry_kernel"
     for key, kind, kernels in (("8,1,4", "gluon_decode", [entry, reduce_]),
                                ("8,2,2", "gluon_verify", [entry, reduce_]),

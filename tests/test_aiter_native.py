@@ -38,6 +38,7 @@ from jax_mla.backends.triton import ffi_launch
 from jax_mla.problem import Target
 
 from aiter_standin.harness import forced_standins
+from lowering import one_typed_call
 
 pytestmark = pytest.mark.skipif(native.library_error() is not None,
                                 reason=f"FFI library unavailable: {native.library_error()}")
@@ -370,13 +371,7 @@ def test_decode_lowers_to_the_native_call_with_no_python_callback(aiter_on_rocm,
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
         text, hlo = _lower_decode(heads, qlen, mtp, lse)
-    calls = _custom_calls(text)
-    assert calls.count(native.TARGET_NAME) == 1, calls
-    assert not any("callback" in c for c in calls), calls
-    typed = [ln for ln in hlo.splitlines()
-             if f'custom_call_target="{native.TARGET_NAME}"' in ln]
-    assert len(typed) == 1 and "api_version=API_VERSION_TYPED_FFI" in typed[0]
-    line = next(ln for ln in text.splitlines() if f"@{native.TARGET_NAME}" in ln)
+    line = one_typed_call(text, hlo, native.TARGET_NAME)
     assert str(fake_aiter) in line and 'kernel_name = "_ZN5aiter' in line
 
 

@@ -33,6 +33,7 @@ from jax_mla.problem import Target
 
 import oracle
 from aiter_standin.harness import forced_standins
+from lowering import one_typed_call
 
 pytestmark = pytest.mark.skipif(native_prefill.library_error() is not None,
                                 reason=f"FFI library: {native_prefill.library_error()}")
@@ -244,13 +245,7 @@ def test_fp8_prefill_lowers_to_the_native_call_with_no_python_callback(aiter_on_
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
         text, hlo = _lower_prefill(heads)
-    calls = _custom_calls(text)
-    assert calls.count(native_prefill.TARGET_NAME) == 1, calls
-    assert not any("callback" in c for c in calls), calls
-    typed = [ln for ln in hlo.splitlines()
-             if f'custom_call_target="{native_prefill.TARGET_NAME}"' in ln]
-    assert len(typed) == 1 and "api_version=API_VERSION_TYPED_FFI" in typed[0]
-    line = next(ln for ln in text.splitlines() if f"@{native_prefill.TARGET_NAME}" in ln)
+    line = one_typed_call(text, hlo, native_prefill.TARGET_NAME)
     assert str(fake_aiter) in line and PS_KERNELS[True] in line
 
 

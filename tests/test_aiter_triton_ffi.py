@@ -41,6 +41,7 @@ from jax_mla.backends.triton import ffi_launch
 import oracle
 from aiter_standin.harness import STANDIN_DIR, forced_standins
 from conftest import make_case, run_compiler_script
+from lowering import rocm_script
 
 PS = 16  # page size (the segmented tile); AITER's dots need tiles of 16 or more on a GPU
 KERNEL = triton_kernels.KERNEL
@@ -360,10 +361,7 @@ print(json.dumps(res))
 @pytest.mark.skipif(__import__("importlib").util.find_spec("triton.backends.amd") is None,
                     reason="triton without its AMD backend")
 def test_the_route_lowers_for_rocm_to_our_typed_ffi_call_only(tmp_path):
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script = (f"import os; os.environ['JAX_MLA_CACHE_DIR'] = {str(tmp_path)!r}; "
-              f"os.environ['JAX_PLATFORMS'] = 'cpu'\nTESTS = {tests!r}\n" + LOWER)
-    r = run_compiler_script(script, timeout=900)
+    r = run_compiler_script(rocm_script(tmp_path, LOWER), timeout=900)
     for dt in ("bf16", "fp8"):
         got = r[dt]
         assert got["targets"] == [ffi_launch.TARGET_NAME], (dt, got)
