@@ -3,8 +3,11 @@ compile scripts of ``conftest.run_compiler_script`` import it without the test s
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+
+import pytest
 
 
 def lowered_launches(text: str, hlo: str) -> dict:
@@ -49,3 +52,15 @@ def one_typed_call(text: str, hlo: str, target: str) -> str:
     typed = [ln for ln in hlo.splitlines() if f'custom_call_target="{target}"' in ln]
     assert len(typed) == 1 and "api_version=API_VERSION_TYPED_FFI" in typed[0], typed
     return next(ln for ln in text.splitlines() if f"@{target}" in ln)
+
+
+def needs_rocm_compile():
+    """A skip marker for tests that compile kernels for an AMD target here: they need the FFI
+    launcher library and Triton's AMD backend."""
+    from jax_mla.backends.triton import ffi_launch
+
+    reason = ffi_launch.unavailable_reason()
+    if reason is not None:
+        return pytest.mark.skip(reason=str(reason))
+    return pytest.mark.skipif(importlib.util.find_spec("triton.backends.amd") is None,
+                              reason="triton without its AMD backend")

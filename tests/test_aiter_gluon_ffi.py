@@ -27,7 +27,7 @@ from jax_mla.backends.triton import ffi_launch
 
 from aiter_standin.harness import forced_standins
 from conftest import run_compiler_script
-from lowering import rocm_script
+from lowering import needs_rocm_compile, rocm_script
 
 
 @pytest.mark.parametrize("batch,qlen,heads,splits,grid", [
@@ -164,10 +164,7 @@ print(json.dumps(res))
 """
 
 
-@pytest.mark.skipif(ffi_launch.unavailable_reason() is not None,
-                    reason=str(ffi_launch.unavailable_reason()))
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton.backends.amd") is None,
-                    reason="triton without its AMD backend")
+@needs_rocm_compile()
 def test_the_route_lowers_for_rocm_to_our_typed_ffi_calls_only(tmp_path):
     r = run_compiler_script(rocm_script(tmp_path, LOWER), timeout=900)
     entry, reduce_ = "mla_aiter_gluon_entry_kernel", "mla_aiter_gluon_reduce_entry_kernel"

@@ -41,7 +41,7 @@ from jax_mla.backends.triton import ffi_launch
 import oracle
 from aiter_standin.harness import STANDIN_DIR, forced_standins
 from conftest import make_case, run_compiler_script
-from lowering import rocm_script
+from lowering import needs_rocm_compile, rocm_script
 
 PS = 16  # page size (the segmented tile); AITER's dots need tiles of 16 or more on a GPU
 KERNEL = triton_kernels.KERNEL
@@ -356,10 +356,7 @@ print(json.dumps(res))
 """
 
 
-@pytest.mark.skipif(ffi_launch.unavailable_reason() is not None,
-                    reason=str(ffi_launch.unavailable_reason()))
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton.backends.amd") is None,
-                    reason="triton without its AMD backend")
+@needs_rocm_compile()
 def test_the_route_lowers_for_rocm_to_our_typed_ffi_call_only(tmp_path):
     r = run_compiler_script(rocm_script(tmp_path, LOWER), timeout=900)
     for dt in ("bf16", "fp8"):
