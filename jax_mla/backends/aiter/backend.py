@@ -7,8 +7,11 @@ ROCm the asm route runs AITER's ``.co`` kernels through jax_mla's own FFI launch
 when the library and the installed AITER's kernels are there, and falls back to the bridge
 (warned once) when not. The segmented DCP verify launches the installed AITER's Triton kernel
 through jax_mla's own Triton launcher (``triton_kernels.py``: the FFI launcher on ROCm, the
-interpreter on CPU) when it matches the pinned JIT signature, with the same bridge fallback.
-Nothing here imports ``aiter``: the backend is available only on ROCm with ``aiter`` importable.
+interpreter on CPU) when it matches the pinned JIT signature, with the same bridge fallback;
+so do the Gluon decode/verify on ROCm (``gluon_kernels.py``) and the fp8 PS prefill
+(``native_prefill.py``: its ``.co`` through jax_mla's handler). Only ``flash_attn_varlen_func``
+always goes through the bridge. Nothing here imports ``aiter``: the backend is available only
+on ROCm with ``aiter`` importable.
 
 Head padding is route-dependent (asm pads to the kernel's head count, Gluon and segmented do
 not), so plans keep the real count and the bridge pads and unpads around each kernel call with
