@@ -90,6 +90,9 @@ def _merge_oracle(logits, mid, lens, cfg):
     return out.reshape(b * qlen, n, lr), lse.reshape(b * qlen, n)
 
 
+# A row none of whose splits holds data takes log(0) = -inf in the kernel, as AITER's does; the
+# interpreter's NumPy says so.
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 @pytest.mark.parametrize("qlen", [1, 3])
 def test_the_reduce_entry_merges_the_splits_that_hold_data(rng, qlen):
     b, n, lr = 3, 4, 512
