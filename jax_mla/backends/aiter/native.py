@@ -472,16 +472,17 @@ def _library():
     return ffi_launch._library()
 
 
-def library_error() -> str | None:
-    """Why the handler library cannot serve AITER's asm kernels (None: it can)."""
+def library_error(symbols=("JaxMlaAiterAsmExecuteRocm", "JaxMlaAiterAsmInitializeRocm",
+                           "JaxMlaAiterAsmPackCpu", "JaxMlaAiterAsmLayout")) -> str | None:
+    """Why the handler library cannot serve AITER's asm kernels, lacking one of ``symbols``
+    (default the asm decode's handlers; None: it can)."""
     try:
         lib = _library()
     except (RuntimeError, OSError) as e:
         return str(e)
-    for sym in ("JaxMlaAiterAsmExecuteRocm", "JaxMlaAiterAsmInitializeRocm",
-                "JaxMlaAiterAsmPackCpu", "JaxMlaAiterAsmLayout"):
+    for sym in symbols:
         if not hasattr(lib, sym):
-            return (f"jax_mla's FFI library lacks {sym} (built without ffi/aiter_asm.cc): "
+            return (f"jax_mla's FFI library lacks {sym} (built without this ffi/aiter_asm.cc): "
                     "reinstall with `pip install -e .`")
     return None
 

@@ -54,22 +54,13 @@ KERNEL_ARGS_LAYOUT = (
 )
 KERNEL_ARGS_SIZE = 0x130  # 304 bytes
 PACK_BYTES = KERNEL_ARGS_SIZE + 6 * 4  # the twin appends grid xyz and block xyz (uint32)
-BLOCK_THREADS = 512  # 8 wave64
 _SYMBOLS = ("JaxMlaAiterPsPrefillInitializeRocm", "JaxMlaAiterPsPrefillExecuteRocm",
             "JaxMlaAiterPsPrefillPackCpu", "JaxMlaAiterPsPrefillLayout")
 
 
 def library_error() -> str | None:
     """Why the handler library cannot launch the PS prefill (None: it can)."""
-    err = native.library_error()
-    if err is not None:
-        return err
-    lib = native._library()
-    for sym in _SYMBOLS:
-        if not hasattr(lib, sym):
-            return (f"jax_mla's FFI library lacks {sym} (built from an older ffi/aiter_asm.cc): "
-                    "reinstall with `pip install -e .`")
-    return None
+    return native.library_error() or native.library_error(_SYMBOLS)
 
 
 def library_layout() -> dict[str, int]:
