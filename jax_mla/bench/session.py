@@ -492,6 +492,10 @@ def stage_memcheck_conformance(_):
                                text=True, env={k: v for k, v in os.environ.items()
                                                if k != "TRITON_INTERPRET"})
     ids = [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
+    # A rerun of some cases: ``JAX_MLA_MEMCHECK_ONLY`` names them by index in the collection.
+    only = os.environ.get("JAX_MLA_MEMCHECK_ONLY")
+    if only:
+        ids = [ids[int(i)] for i in only.split(",")]
     log(f"{len(ids)} conformance cases in {MEMCHECK_SHARDS} sanitized shards")
     runs = [(f"conformance_{i}", ["-m", "pytest", "-q", "-p", "no:cacheprovider",
                                   *ids[i::MEMCHECK_SHARDS]], limit)
@@ -506,7 +510,7 @@ def stage_memcheck_conformance(_):
 # own fusions run uninstrumented.
 MEMCHECK_SHARDS = 4
 MEMCHECK_KERNELS = "kns=mla_"
-MEMCHECK_CONFORMANCE_LIMIT = 390
+MEMCHECK_CONFORMANCE_LIMIT = int(os.environ.get("JAX_MLA_MEMCHECK_LIMIT", 390))
 
 
 def stage_memcheck(_):
