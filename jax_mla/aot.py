@@ -116,6 +116,7 @@ class _Recorder:
 
     def __init__(self):
         self.jobs: list[Job] = []
+        self.programs: list[int] = []  # each launch's grid size, beside ``jobs``
 
     def __call__(self, kernel, *args, grid, out_shapes, target, launcher=None,
                  input_output_aliases=None, num_warps=4, num_stages=2, compile_options=None,
@@ -128,6 +129,7 @@ class _Recorder:
         self.jobs.append(Job(f"{fn.__module__}:{fn.__name__}", dtypes,
                              tuple(sorted(constexprs.items())), num_warps, num_stages,
                              tuple(sorted((compile_options or {}).items()))))
+        self.programs.append(math.prod(grid))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shapes)
 
     @contextlib.contextmanager
@@ -167,9 +169,10 @@ def _short(dtype) -> str:
 
 
 def _decode_launches(target, heads: int, qlen: int, dtype, batch: int,
-                     fp8_query: bool = False) -> list[Job]:
-    """The launches of one decode/verify step: planning kernel, decode kernel, reduce.
-    ``fp8_query``: an fp8 query (with its scale) against the fp8 cache, else a bf16 one."""
+                     fp8_query: bool = False) -> list[tuple[Job, int]]:
+    """The launches of one decode/verify step (planning kernel, decode kernel, reduce), each
+    with its grid's program count. ``fp8_query``: an fp8 query (with its scale) against the
+    fp8 cache, else a bf16 one."""
     import jax
     import jax.numpy as jnp
 
@@ -194,7 +197,7 @@ def _decode_launches(target, heads: int, qlen: int, dtype, batch: int,
         jax.eval_shape(step, S((batch * qlen, heads, KV_LORA_RANK + ROPE_DIM), q_dtype),
                        S((batch * MAX_PAGES, PAGE_SIZE, KV_LORA_RANK + ROPE_DIM), dtype),
                        S((batch, MAX_PAGES), jnp.int32), S((batch,), jnp.int32))
-    return rec.jobs
+    return list(zip(rec.jobs, rec.programs))
 
 
 def _prefill_launches(target, heads: int, dtype, causal: bool) -> list[Job]:
@@ -241,21 +244,26 @@ def variants(target_name: str, heads=HEADS, qlens=QLENS, dtypes=DTYPES, batch: i
     dtypes = [d for d in dtypes if not d.startswith("fp8") or LIMITS[target_name].fp8]
     out = []
 
-    def add(job, heads, qlen, dtypes_label):
+    def add(job, heads, qlen, dtypes_label, **extra):
         fn = job.kernel.split(":")[1]
         consts = dict(job.constexprs)
         config = {k: consts[k] for k in TILE_KEYS[fn] if k in consts}
         config.update(num_warps=job.num_warps, num_stages=job.num_stages)
         out.append((dict(kernel=_label(job, qlen), function=fn, num_heads=heads, qlen=qlen,
-                         dtypes=dtypes_label, config=config), job))
+                         dtypes=dtypes_label, config=config, **extra), job))
 
     for name in dtypes:
         kv = cache_dtype(target_name, name)
         label = f"{'bf16' if name == 'fp8' else _short(kv)}/{_short(kv)}"
         for qlen in qlens:
             for h in heads:
-                for job in _decode_launches(target, h, qlen, kv, batch, name == "fp8q"):
-                    add(job, h, qlen, label)
+                for job, programs in _decode_launches(target, h, qlen, kv, batch,
+                                                      name == "fp8q"):
+                    fn = job.kernel.split(":")[1]
+                    # The decode grid is persistent: all of it must be resident at once.
+                    extra = ({"programs": programs, "cores": target.num_cores}
+                             if fn.startswith("mla_decode") else {})
+                    add(job, h, qlen, label, **extra)
         if name == "fp8q":
             continue  # prefill has no fp8-query form of its own (fp8 rows above)
         for h in heads:
@@ -356,6 +364,9 @@ def problems(row: dict, target_name: str) -> list[str]:
         out.append(f"registers {row['registers']} > {lim.registers}")
     if row["spills"]:
         out.append(f"spills {row['spills']}")
+    if "programs" in row and row["programs"] > row["occupancy"] * row["cores"]:
+        out.append(f"persistent grid of {row['programs']} programs > {row['occupancy']} "
+                   f"resident a core x {row['cores']} cores")
     return out
 
 

@@ -59,6 +59,7 @@ def check_fits(target: str, *args, kernels=None):
         assert KEYS <= set(row), row
         assert row["lds"] <= limit.shared and row["spills"] == 0, row
         assert row["registers"] <= limit.registers and row["occupancy"] >= 1, row
+        assert not row["problems"], row  # a persistent decode grid all resident, among others
     return rows
 
 
@@ -202,6 +203,22 @@ def test_sm90_fp8_64_row_tile_fits():
     check_fits("sm_90", "--heads", "128", "--qlen", "1", "--dtypes", "fp8")
 
 
+@needs_cuda
+def test_a_persistent_grid_larger_than_the_gpu_holds_fails():
+    """The decode grid is persistent (``ctas_per_sm`` programs an SM, all resident at once):
+    four programs an SM of the 16-row bf16 tile (two fit: 191 registers, 93 KiB) is named as
+    a grid the GPU cannot hold; the rows carry the grid's size and the SM count."""
+    res = run_aot("--target", "sm_90", "--heads", "16", "--qlen", "1", "--dtypes", "bf16",
+                  "--json", extra_env={"JAX_MLA_TRITON_CTAS_PER_SM": "4"})
+    assert res.returncode == 1, res.stderr[-3000:]
+    [row] = [r for r in json.loads(res.stdout) if r["kernel"] == "decode"]
+    assert (row["programs"], row["cores"]) == (4 * 132, 132), row
+    assert row["occupancy"] < 4, row
+    assert any(p.startswith(f"persistent grid of {4 * 132} programs > {row['occupancy']} "
+                            "resident a core x 132 cores") for p in row["problems"]), row
+    assert "persistent grid" in res.stderr, res.stderr[-3000:]
+
+
 @needs_amd
 def test_an_oversize_tile_fails_naming_the_variant():
     """A 64-token KV tile at three stages (the environment's tile knobs) takes 100+ KiB of LDS:
@@ -241,7 +258,7 @@ def test_rocm_tiles_and_limits():
     assert kernel_config(16, 2, 64, cuda, tuning=tun, kv_dtype=jnp.float32).block_m == 16
     fp8 = kernel_config(16, 1, 64, cuda, tuning=tun, kv_dtype=jnp.float8_e4m3fn)
     assert (fp8.block_m, fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.ctas_per_sm) == (
-        16, 16, 4, 4, 2), fp8
+        16, 16, 4, 4, 3), fp8
     # (an fp8 cache never takes the Gluon kernel: make_plan passes sm90=False for it)
     fp8_64 = kernel_config(128, 1, 64, cuda, sm90=False, tuning=tun, kv_dtype=jnp.float8_e4m3fn)
     assert (fp8_64.block_m, fp8_64.block_n, fp8_64.wg_split) == (64, 64, True), fp8_64

@@ -6,9 +6,10 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 ``decode.json`` (the grid, both timers), ``decode_before.json`` (the same grid run in the same
 session on an earlier tree, for a before/after table), ``kernels.json`` and ``kernels_before.json``
 (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``, ``aiter_bridge.json``, ``ab.json``,
-``launcher_ab.json``, ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json``
-(the GPU test summary), and ``tried.md`` (what was measured and kept or dropped, in words), and
-writes ``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
+``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_pdl.json``, ``cmdbuf.json``, ``launcher_ab.json``,
+``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json`` (the GPU test
+summary), and ``tried.md`` (what was measured and kept or dropped, in words), and writes
+``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
 (docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16 matmul); the bench's own
 in-run probes are shown beside them, since they move with the GPU's clocks from run to run.
 """
@@ -142,6 +143,26 @@ def ab_table(rows) -> str:
     return "\n".join(out)
 
 
+# Same-run tuning A/Bs (``python -m jax_mla.bench.ab``), by file.
+AB_FILES = (("ab.json", "Tuning A/B (same run)"),
+            ("ab_fp8.json", "fp8 caches: tiles, conversion and products (same run)"),
+            ("ab_fp8_verify.json", "fp8 verify: 64-row tiles against 16-row programs"),
+            ("ab_pdl.json", "Programmatic dependent launch (same run)"))
+
+
+def cmdbuf_table(rows) -> str:
+    """``cmdbuf.json`` (``python -m jax_mla.bench.cmdbuf``): per flag set and shape, the
+    command buffers XLA formed, the chain's stream time, the kernels' GPU time and the span
+    of one call's kernels in the chain."""
+    out = ["| flag set | shape | command buffers | stream µs | GPU µs | chain span µs |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['flag_set']} | {r['shape']} | {r['command_buffers']} | "
+                   f"{_f(r.get('stream_us'))} | {_f(r.get('gpu_us'))} | "
+                   f"{_f(r.get('chain_span_us'))} |")
+    return "\n".join(out)
+
+
 def launcher_table(rows) -> str:
     """The launcher A/B (``launcher_ab.json``): both timers, stream over GPU time, metadata,
     command buffers, and FlashMLA beside where it ran."""
@@ -233,9 +254,14 @@ def report(folder: str) -> str:
     gr = _load(folder, "graphs.json")
     if gr:
         parts += ["## Command buffers", "", graphs_table(gr), ""]
-    ab = _load(folder, "ab.json")
-    if ab:
-        parts += ["## Tuning A/B (same run)", "", ab_table(ab), ""]
+    for file, title in AB_FILES:
+        ab = _load(folder, file)
+        if ab:
+            parts += [f"## {title}", "", ab_table(ab), ""]
+    cb = _load(folder, "cmdbuf.json")
+    if cb:
+        parts += ["## Command buffers around the chain (one process per XLA flag set)", "",
+                  cmdbuf_table(cb), ""]
     pre = _load(folder, "prefill.json")
     if pre:
         parts += ["## Prefill", "", prefill_table(pre), ""]

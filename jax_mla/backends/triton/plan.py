@@ -64,11 +64,13 @@ CUDA_FP32_MAX_ROWS = 16
 CUDA_FP32_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 3}
 # fp8 caches on CUDA at 16 rows: 16-token KV tiles, 4 stages (the 16-bit tile's 32 tokens at 3
 # stages spilled 48-156 bytes at 255 registers under triton 3.9's ptxas, 12-16 under triton
-# 3.6's; the fp8 -> bf16 conversion of a 32-token tile is what overflows). sm_90a: 37 KiB,
-# 252-255 registers, no spills in any 16-row variant with either triton (``python -m
-# jax_mla.aot``). Chosen for fitting; its speed against the old tile is the device plan's
-# ``ab_fp8`` stage. The 64-row fp8 tile still spills (docs/aot.md).
-CUDA_FP8_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 4, "ctas_per_sm": 2}
+# 3.6's; the fp8 -> bf16 conversion of a 32-token tile is what overflows). Converted once where
+# it is loaded (``CVT_ONCE``), every 16-row variant compiles for sm_90a to 155-167 registers and
+# 62-63 KiB with no spills (``python -m jax_mla.aot``, triton 3.6), so three programs fit an SM;
+# on the H200 (2026-12-05, B64 H16 S4k bf16 query) three took the decode kernel from 154 to
+# 138 us (the step 159 -> 146 us GPU, 180 -> 174 us stream) where the 16-bit tile lost 34 % at
+# three. The 64-row fp8 tile still spills under triton 3.9 (docs/aot.md).
+CUDA_FP8_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 4, "ctas_per_sm": 3}
 # The affine reduce at one head (``BLOCK_H = 1``) on CUDA takes twice the columns: ptxas 13.x
 # (triton 3.9, ``--regAllocOptLevel=2``) spilled 8 bytes at 32 registers for the narrow tiles
 # (4 x 32 at Q = 5, 8 x 16 at Q = 4 and 5); the wider ones compile without spills for Q = 1..8.

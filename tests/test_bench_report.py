@@ -1,0 +1,43 @@
+"""``python -m jax_mla.bench.report``: the A/B and command-buffer sections come from their JSON
+files, with the figures as measured, and are left out where a folder has no such file."""
+
+import json
+
+import numpy as np
+
+from jax_mla.bench import report
+
+
+def _ab_row(rng, shape, variant):
+    return {"shape": shape, "variant": variant, "best_us": float(rng.uniform(10, 900)),
+            "vs_first": float(rng.uniform(0.5, 2)), "gpu_us": float(rng.uniform(10, 900)),
+            "rel_err_vs_first": float(rng.uniform(0, 1e-3))}
+
+
+def test_ab_and_command_buffer_sections(tmp_path):
+    rng = np.random.default_rng()
+    fp8 = [_ab_row(rng, "B64 H16 S4096 Q1 p64 fp8", v) for v in ("base", "cvt0")]
+    pdl = [_ab_row(rng, "B1 H16 S1024 Q1 p64", v) for v in ("base", "pdl")]
+    cb = [{"flag_set": f, "shape": "B1 H16 S1024 Q1 p64", "command_buffers": n,
+           "stream_us": float(rng.uniform(10, 40)), "gpu_us": float(rng.uniform(10, 40)),
+           "chain_span_us": float(rng.uniform(10, 40))} for f, n in (("default", 1), ("off", 0))]
+    for name, rows in (("ab_fp8.json", fp8), ("ab_pdl.json", pdl), ("cmdbuf.json", cb)):
+        (tmp_path / name).write_text(json.dumps(rows))
+    text = report.report(str(tmp_path))
+    for title in ("## fp8 caches: tiles", "## Programmatic dependent launch",
+                  "## Command buffers around the chain"):
+        assert text.count(title) == 1, title
+    assert "## Tuning A/B" not in text and "## fp8 verify" not in text  # no ab.json here
+    for r in fp8 + pdl:
+        assert (f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | {r['vs_first']:.3f} | "
+                f"{r['gpu_us']:.1f} |") in text, r
+    for r in cb:
+        assert (f"| {r['flag_set']} | {r['shape']} | {r['command_buffers']} | "
+                f"{r['stream_us']:.1f} | {r['gpu_us']:.1f} | {r['chain_span_us']:.1f} |") in text
+    # Sections in the order of report.AB_FILES, command buffers after them.
+    assert text.index("## fp8 caches") < text.index("## Programmatic") < text.index(
+        "## Command buffers around")
+
+
+def test_empty_folder_has_no_sections(tmp_path):
+    assert "## " not in report.report(str(tmp_path))
