@@ -21,6 +21,8 @@ def test_ab_and_command_buffer_sections(tmp_path):
     cb = [{"flag_set": f, "shape": "B1 H16 S1024 Q1 p64", "command_buffers": n,
            "stream_us": float(rng.uniform(10, 40)), "gpu_us": float(rng.uniform(10, 40)),
            "chain_span_us": float(rng.uniform(10, 40))} for f, n in (("default", 1), ("off", 0))]
+    cb[0]["updates"] = {"updates": int(rng.integers(1, 9)), "executions": 9,
+                        "update_us_mean": float(rng.uniform(100, 900))}
     for name, rows in (("ab_fp8.json", fp8), ("ab_pdl.json", pdl), ("cmdbuf.json", cb)):
         (tmp_path / name).write_text(json.dumps(rows))
     text = report.report(str(tmp_path))
@@ -34,6 +36,9 @@ def test_ab_and_command_buffer_sections(tmp_path):
     for r in cb:
         assert (f"| {r['flag_set']} | {r['shape']} | {r['command_buffers']} | "
                 f"{r['stream_us']:.1f} | {r['gpu_us']:.1f} | {r['chain_span_us']:.1f} |") in text
+    up = cb[0]["updates"]
+    assert f"| {up['updates']} / 9 | {up['update_us_mean']:.1f} |" in text
+    assert text.count("| - | - |") == 1  # the row logged without updates
     # Sections in the order of report.AB_FILES, command buffers after them.
     assert text.index("## fp8 caches") < text.index("## Programmatic") < text.index(
         "## Command buffers around")

@@ -1,5 +1,7 @@
 """The benchmark timers really run every call they divide by; the A/B and the grid's rows."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -315,3 +317,45 @@ def test_cmdbuf_finds_thunk_dumps_in_module_folders(tmp_path):
     (sub / "module_0009.jit_many.thunk_sequence_after_thunk_passes.txt").unlink()
     assert cmdbuf.thunk_summary(str(tmp_path))["dump_files"] == [
         "module_0009.jit_many.sm_9.0_gpu_after_optimizations.txt"]
+
+
+def test_cmdbuf_counts_command_buffer_updates_from_xla_log():
+    """XLA's per-execution log (updates before a replay, commands re-recorded and skipped, their
+    microseconds) is summed per chain, with unrelated lines ignored."""
+    from jax_mla.bench import cmdbuf
+
+    rng = np.random.default_rng()
+    allocs = rng.integers(1, 9, size=3)
+    us = rng.uniform(100, 2000, size=3)
+    done = rng.integers(10, 400, size=3)
+    lines = []
+    for i in range(3):
+        lines += [f"I1205 1 command_buffer_thunk.cc:279] Update command buffer on device #0 after "
+                  f"{i} executions since last update; num_commands=400; "
+                  f"updated_allocs={allocs[i]}",
+                  f"I1205 2 command_executor.cc:690] Updated {done[i]} commands in {us[i]:.3f} "
+                  f"μs (skipped {400 - done[i]} command updates)",
+                  f"I1205 3 command_buffer_thunk.cc:302] Updated command buffer in {us[i]:.3f} μs",
+                  "I1205 4 command_buffer_thunk.cc:346] Execute command buffer on device #0; "
+                  f"num_executions={i}", "I1205 5 other.cc:1] Updated nothing"]
+    got = cmdbuf.update_summary("\n".join(lines) + "\nExecute command buffer on device #0;")
+    assert (got["executions"], got["updates"], got["num_commands"]) == (4, 3, 400), got
+    assert got["updated_allocs_mean"] == pytest.approx(allocs.mean())
+    assert got["update_us_mean"] == pytest.approx(us.mean(), abs=1e-3)
+    assert got["commands_updated_mean"] == pytest.approx(done.mean())
+    assert got["commands_skipped_mean"] == pytest.approx(400 - done.mean())
+    none = cmdbuf.update_summary("I1205 other.cc:1] nothing")
+    assert none["updates"] == 0 and none["update_us_mean"] is None
+
+
+def test_cmdbuf_captures_what_native_code_writes_to_stderr(capfd):
+    """The capture takes file descriptor 2 itself (XLA's C++ log does not pass through
+    ``sys.stderr``) and writes the text back afterwards."""
+    from jax_mla.bench import cmdbuf
+
+    token = f"native-{np.random.default_rng().integers(1 << 30)}"
+    with cmdbuf.captured_stderr() as got:
+        os.write(2, f"{token} Execute command buffer on device #0\n".encode())
+    assert token in got[0]
+    assert cmdbuf.update_summary(got[0])["executions"] == 1
+    assert token in capfd.readouterr().err

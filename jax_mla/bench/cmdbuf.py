@@ -10,10 +10,20 @@ the CUDA runtime records torch's profiler keeps: the dump is the evidence.
 
 The session's ``cmdbuf`` stage runs this once per flag set of :data:`FLAG_SETS` with XLA's
 command-buffer logging on, and keeps the log lines that say why a thunk was or was not captured.
+
+What a command buffer costs on the host: before each replay XLA compares the addresses of the
+buffers its commands use with those it recorded, and re-records every command that touches one
+that moved (a custom call by stream capture into a child graph); the program's outputs are new
+each execution, and its temporaries share one allocation. The stream-time chain runs with
+XLA's log of those updates captured (:func:`update_summary`: executions, updates, commands
+updated and skipped, microseconds), so a chain whose wall time exceeds its GPU span says
+whether updates are where the difference goes; ``skip_temp`` runs it with the temporaries at
+fixed addresses (``--xla_gpu_command_buffer_update_mode``, where this XLA has it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -29,11 +39,12 @@ FLAG_SETS = {
     "default": "",
     "off": "--xla_gpu_enable_command_buffer=",
     "min1": "--xla_gpu_graph_min_graph_size=1",
+    "skip_temp": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
 }
 
 # The XLA modules whose compiler log lines are worth keeping: the conversion pass says which
 # commands are enabled, which thunk kinds it refused and what it captured.
-VMODULE = "command_buffer_conversion_pass=2,command_buffer_thunk=1"
+VMODULE = "command_buffer_conversion_pass=2,command_buffer_thunk=3,command_executor=1"
 _KEEP = re.compile(r"CommandBufferConfig|not lowered|lowering is not enabled|Unsupported thunk"
                    r"|Creating command buffer thunk|Removed command buffer support"
                    r"|disabled for profiling", re.I)
@@ -51,6 +62,51 @@ def keep_log_lines(text: str, limit: int = 40) -> list[str]:
             seen.add(msg)
             out.append(msg)
     return out[:limit]
+
+
+_EXECUTE = re.compile(r"Execute command buffer on device")
+_UPDATE = re.compile(r"Update command buffer on device.*?num_commands=(\d+)"
+                     r".*?updated_allocs=(\d+)")
+_UPDATED_IN = re.compile(r"Updated command buffer in ([\d.]+)")
+_COMMANDS = re.compile(r"Updated (\d+) commands in ([\d.]+).*?skipped (\d+)")
+
+
+def update_summary(text: str) -> dict:
+    """XLA's per-execution command-buffer log (``command_buffer_thunk`` at 3, ``command_executor``
+    at 1) in numbers: replays logged, updates before a replay, and per update the allocations
+    that moved, the commands re-recorded and skipped, and the microseconds it took."""
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else None
+
+    updates = [tuple(map(int, m.groups())) for m in _UPDATE.finditer(text)]
+    commands = [(int(n), float(us), int(k)) for n, us, k in _COMMANDS.findall(text)]
+    return {"executions": len(_EXECUTE.findall(text)), "updates": len(updates),
+            "num_commands": max((n for n, _ in updates), default=None),
+            "updated_allocs_mean": mean([a for _, a in updates]),
+            "update_us_mean": mean([float(x) for x in _UPDATED_IN.findall(text)]),
+            "commands_updated_mean": mean([n for n, _, _ in commands]),
+            "commands_skipped_mean": mean([k for _, _, k in commands])}
+
+
+@contextlib.contextmanager
+def captured_stderr():
+    """Everything written to file descriptor 2 (XLA's C++ log included) inside the block, as
+    ``holder[0]`` afterwards; the text is written back to the real stderr too."""
+    holder = [""]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield holder
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            data = tmp.read()
+            os.write(2, data)
+            holder[0] = data.decode(errors="replace")
 
 
 def thunk_summary(dump_dir: str, module: str = "jit_many") -> dict:
@@ -105,7 +161,9 @@ def main(argv=None) -> int:
         many = chained(fn, CHAIN)
         jax.block_until_ready(many(*args))
         row = {"shape": shape.name, "xla_flags": flags, **thunk_summary(dump_dir)}
-        row["stream_us"] = device_time(fn, *args, min_ms=20.0) * 1e6
+        with captured_stderr() as log:
+            row["stream_us"] = device_time(fn, *args, min_ms=20.0) * 1e6
+        row["updates"] = update_summary(log[0])
         row["dispatch_us"] = dispatch_time(fn, *args) * 1e6
         if profile.available():
             row["gpu_us"] = profile.kernel_times(fn, *args)["gpu_us"]

@@ -153,13 +153,16 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
 def cmdbuf_table(rows) -> str:
     """``cmdbuf.json`` (``python -m jax_mla.bench.cmdbuf``): per flag set and shape, the
     command buffers XLA formed, the chain's stream time, the kernels' GPU time and the span
-    of one call's kernels in the chain."""
-    out = ["| flag set | shape | command buffers | stream µs | GPU µs | chain span µs |",
-           "|---|---|---|---|---|---|"]
+    of one call's kernels in the chain; where the run logged them, the command-buffer updates
+    XLA made before its replays while the stream time was taken, and their mean cost."""
+    out = ["| flag set | shape | command buffers | stream µs | GPU µs | chain span µs | "
+           "updates / replays | µs an update |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        up = r.get("updates") or {}
+        ups = f"{up['updates']} / {up['executions']}" if "updates" in up else "-"
         out.append(f"| {r['flag_set']} | {r['shape']} | {r['command_buffers']} | "
                    f"{_f(r.get('stream_us'))} | {_f(r.get('gpu_us'))} | "
-                   f"{_f(r.get('chain_span_us'))} |")
+                   f"{_f(r.get('chain_span_us'))} | {ups} | {_f(up.get('update_us_mean'))} |")
     return "\n".join(out)
 
 

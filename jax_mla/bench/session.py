@@ -438,8 +438,11 @@ def _memcheck_runs(lib, runs=MEMCHECK_RUNS, kernels=None):
     env.update(JAX_MLA_FFI_LIBRARY=lib, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), "tests",
                                                         env.get("PYTHONPATH")])),
-               # XLA's GEMM autotuning would run dozens of candidates under the sanitizer.
-               XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip())
+               # XLA's GEMM autotuning would run dozens of candidates under the sanitizer, and
+               # each CUDA graph it forms would be patched when instantiated; the kernels and
+               # their arguments are the same launched one by one.
+               XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+                          " --xla_gpu_enable_command_buffer=").strip())
     for name, args, limit in runs:
         path = os.path.join(OUT, f"memcheck_{name}.txt")
         cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
@@ -451,7 +454,10 @@ def _memcheck_runs(lib, runs=MEMCHECK_RUNS, kernels=None):
             rc, text = r.returncode, r.stdout + r.stderr
         except subprocess.TimeoutExpired as e:
             rc, text = -1, f"TIMEOUT after {limit}s\n{e.stdout or ''}"
-        tail = [ln for ln in str(text).strip().splitlines() if ln.strip()][-6:]
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
+        lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+        tail = [ln for ln in lines if " PASSED" in ln or " FAILED" in ln][-12:] + lines[-6:]
         summary = [ln for ln in open(path).read().splitlines() if "ERROR SUMMARY" in ln] \
             if os.path.exists(path) else []
         log(f"memcheck {name} rc={rc} in {time.time() - t:.0f} s {summary}\n  "
@@ -488,7 +494,7 @@ def stage_cmdbuf(_):
         log(f"cmdbuf {name} rc={rc} in {time.time() - t:.0f} s\n  " + "\n  ".join(lines[:12])
             + "\n  " + "\n  ".join(json.dumps({k: row.get(k) for k in (
                 "shape", "command_buffers", "stream_us", "gpu_us", "chain_span_us",
-                "dispatch_us", "thunk_kinds", "dump_files")}) for row in got)
+                "dispatch_us", "updates", "thunk_kinds", "dump_files")}) for row in got)
             + ("\n  " + "\n  ".join(tail) if rc else ""))
     with open(os.path.join(OUT, "cmdbuf.json"), "w") as f:
         json.dump(rows, f, indent=1)
@@ -512,7 +518,8 @@ def stage_memcheck_conformance(_):
     if only:
         ids = [ids[int(i)] for i in only.split(",")]
     log(f"{len(ids)} conformance cases in {MEMCHECK_SHARDS} sanitized shards")
-    runs = [(f"conformance_{i}", ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # ``-v``: a shard stopped at its time limit still names the cases it finished.
+    runs = [(f"conformance_{i}", ["-m", "pytest", "-v", "-p", "no:cacheprovider",
                                   *ids[i::MEMCHECK_SHARDS]], limit)
             for i in range(MEMCHECK_SHARDS) if ids[i::MEMCHECK_SHARDS]]
     lib = _ffi_library()
@@ -523,7 +530,7 @@ def stage_memcheck_conformance(_):
 # Four sanitized shards instrumenting every kernel wrote nothing in 300 s (2026-12-05): each
 # XLA module loaded is patched. Only our kernels are checked (all are named ``mla_*``); XLA's
 # own fusions run uninstrumented.
-MEMCHECK_SHARDS = 4
+MEMCHECK_SHARDS = int(os.environ.get("JAX_MLA_MEMCHECK_SHARDS", 4))
 MEMCHECK_KERNELS = "kns=mla_"
 MEMCHECK_CONFORMANCE_LIMIT = int(os.environ.get("JAX_MLA_MEMCHECK_LIMIT", 390))
 
