@@ -259,6 +259,9 @@ def test_rocm_tiles_and_limits():
     fp8 = kernel_config(16, 1, 64, cuda, tuning=tun, kv_dtype=jnp.float8_e4m3fn)
     assert (fp8.block_m, fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.ctas_per_sm) == (
         16, 16, 4, 4, 3), fp8
+    f16 = kernel_config(16, 1, 64, cuda, tuning=TritonTuning(fp8_f16=True),
+                        kv_dtype=jnp.float8_e4m3fn)
+    assert (f16.block_n, f16.num_stages, f16.ctas_per_sm) == (16, 4, 2), f16  # 173 registers
     # (an fp8 cache never takes the Gluon kernel: make_plan passes sm90=False for it)
     fp8_64 = kernel_config(128, 1, 64, cuda, sm90=False, tuning=tun, kv_dtype=jnp.float8_e4m3fn)
     assert (fp8_64.block_m, fp8_64.block_n, fp8_64.wg_split) == (64, 64, True), fp8_64

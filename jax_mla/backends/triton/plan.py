@@ -71,6 +71,11 @@ CUDA_FP32_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm":
 # 138 us (the step 159 -> 146 us GPU, 180 -> 174 us stream) where the 16-bit tile lost 34 % at
 # three. The 64-row fp8 tile still spills under triton 3.9 (docs/aot.md).
 CUDA_FP8_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 4, "ctas_per_sm": 3}
+# float16 products of an fp8 cache (``fp8_f16``) take 164-173 registers at that tile: two
+# programs an SM hold them (three would leave a third of the persistent grid waiting; ``python
+# -m jax_mla.aot`` fails such a grid). The tile does not know the query's dtype, so an fp8
+# query, whose kernel ignores the flag, runs two as well.
+CUDA_FP8_F16_CTAS_PER_SM = 2
 # The affine reduce at one head (``BLOCK_H = 1``) on CUDA takes twice the columns: ptxas 13.x
 # (triton 3.9, ``--regAllocOptLevel=2``) spilled 8 bytes at 32 registers for the narrow tiles
 # (4 x 32 at Q = 5, 8 x 16 at Q = 4 and 5); the wider ones compile without spills for Q = 1..8.
@@ -345,6 +350,8 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
         tile = dict(CUDA_FP32_TILE)
     elif fp8 and block_m <= 16:
         tile = dict(CUDA_FP8_TILE)
+        if tuning.fp8_f16:
+            tile["ctas_per_sm"] = CUDA_FP8_F16_CTAS_PER_SM
     else:
         tile = dict(GPU_TILES[16 if block_m <= 16 else 64])
     tile.update(tuning.tile_overrides)
