@@ -445,8 +445,10 @@ def _memcheck_runs(lib, runs=MEMCHECK_RUNS, kernels=None):
                           " --xla_gpu_enable_command_buffer=").strip())
     for name, args, limit in runs:
         path = os.path.join(OUT, f"memcheck_{name}.txt")
+        exclude = os.environ.get("JAX_MLA_MEMCHECK_KERNEL_EXCLUDE")
         cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
                *(["--kernel-name", kernels] if kernels else []),
+               *(["--kernel-name-exclude", exclude] if exclude else []),
                "--log-file", path, sys.executable, *args]
         t = time.time()
         try:
@@ -529,7 +531,10 @@ def stage_memcheck_conformance(_):
 
 # Four sanitized shards instrumenting every kernel wrote nothing in 300 s (2026-12-05): each
 # XLA module loaded is patched. Only our kernels are checked (all are named ``mla_*``); XLA's
-# own fusions run uninstrumented.
+# own fusions run uninstrumented. With that, 18 of the 31 cases passed (0 errors) and the
+# Gluon 64-row cases did not finish in 390 s: ``JAX_MLA_MEMCHECK_SHARDS`` (one case a shard),
+# ``JAX_MLA_MEMCHECK_ONLY`` (case indices) and ``JAX_MLA_MEMCHECK_KERNEL_EXCLUDE`` (a
+# ``--kernel-name-exclude`` filter, e.g. ``kns=mla_decode_sm90``) take them apart.
 MEMCHECK_SHARDS = int(os.environ.get("JAX_MLA_MEMCHECK_SHARDS", 4))
 MEMCHECK_KERNELS = "kns=mla_"
 MEMCHECK_CONFORMANCE_LIMIT = int(os.environ.get("JAX_MLA_MEMCHECK_LIMIT", 390))
