@@ -31,6 +31,8 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   products, rather than multiplied as it is (CUDA).
 - ``JAX_MLA_TRITON_FP8_CONVERT_ONCE=0``: an fp8 cache's tile is converted where Triton places
   it (per product), rather than once where it was loaded (CUDA).
+- ``JAX_MLA_TRITON_POW2_HEAD_BLOCKS=0``: split heads take as many a block as the rows allow,
+  rather than a power of two where that needs no more blocks.
 - ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
 - ``JAX_MLA_CACHE_DIR``: where compiled kernels are kept (default ``~/.cache/jax_mla``).
 - ``JAX_MLA_AITER_SMALL_HEAD_MODE``: AITER below 16 heads, ``auto`` (default), ``gluon``, ``asm``.
@@ -74,7 +76,7 @@ ENV_VARS = (
     "JAX_MLA_TRITON_AFFINE_REDUCE", "JAX_MLA_TRITON_REDUCE_BLOCK_S",
     "JAX_MLA_TRITON_REDUCE_BLOCK_L", "JAX_MLA_SPLIT_PLAN", "JAX_MLA_TRITON_PLANNER",
     "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_TRITON_PDL", "JAX_MLA_TRITON_FP8_F16",
-    "JAX_MLA_TRITON_FP8_QK", "JAX_MLA_TRITON_FP8_CONVERT_ONCE",
+    "JAX_MLA_TRITON_FP8_QK", "JAX_MLA_TRITON_FP8_CONVERT_ONCE", "JAX_MLA_TRITON_POW2_HEAD_BLOCKS",
     "JAX_MLA_FFI_LIBRARY", "JAX_MLA_CACHE_DIR",
     "JAX_MLA_AITER_SMALL_HEAD_MODE",
     "JAX_MLA_POISON_OUTPUTS", "TRITON_INTERPRET",

@@ -258,10 +258,11 @@ def test_triton_many_splits_per_request(rng, monkeypatch):
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
 @pytest.mark.parametrize("sm90", [True, False], ids=["gluon", "triton"])
 @pytest.mark.parametrize("num_heads, qlen, page_size",
-                         [(128, 1, 64), (16, 4, 1), (12, 3, 16), (16, 2, 16)])
+                         [(128, 1, 64), (16, 4, 1), (12, 3, 16), (16, 2, 16), (16, 5, 16)])
 def test_triton_64_row_tiles_bf16(rng, monkeypatch, num_heads, qlen, page_size, sm90):
     """DeepSeek geometry in bf16 through the 64-row tile: 128 heads, verify blocks of 16 x 4 and
-    12 x 3 rows, and 16 x 2 rows padded to 64 on Hopper. On Hopper that tile is the Gluon
+    12 x 3 rows, 16 x 2 rows padded to 64 on Hopper, and 16 heads at ``Q = 5`` in two blocks of
+    8 (a power of two a block: ``plan.pow2_heads_per_block``). On Hopper that tile is the Gluon
     two-warpgroup kernel (kernels/gluon/decode_sm90.py), or with ``sm90`` off the Triton tile
     with its score columns split between the warpgroups (backends/triton/compiler.py); elsewhere
     both ids run the Triton kernel."""

@@ -512,3 +512,28 @@ def test_a_planned_triton_step_runs_its_three_kernels_and_nothing_else(rng):
     want = step("jnp")(q, cache, table, lens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert np.isfinite(np.asarray(got)).all()
+
+
+def test_head_blocks_are_a_power_of_two_where_that_keeps_their_number():
+    """Split heads take the largest power of two a block that needs no more blocks (rows pack
+    ``t * HB + h``: shifts, not divisions, in the kernel); the block count, the rows' cap and
+    the heads' coverage never change."""
+    from jax_mla.backends.triton.plan import kernel_config, pow2_heads_per_block
+
+    for max_rows in (16, 32, 64):
+        for heads in range(1, 129):
+            for qlen in range(1, 9):
+                hb0 = heads if qlen * heads <= max_rows else max(1, max_rows // qlen)
+                nhb = -(-heads // hb0)
+                hb = pow2_heads_per_block(heads, hb0, nhb)
+                assert -(-heads // hb) == nhb and hb <= hb0, (max_rows, heads, qlen, hb)
+                pow2s = [1 << i for i in range(8) if (1 << i) <= hb0
+                         and -(-heads // (1 << i)) == nhb]
+                assert hb == (max(pow2s) if pow2s and nhb > 1 else hb0), (heads, qlen, hb)
+    got = {(h, q): kernel_config(h, q, 64, "cuda", sm90=False) for h, q in
+           ((16, 5), (16, 6), (16, 7), (32, 3), (128, 3), (128, 1))}
+    assert {k: (c.heads_per_block, c.num_head_blocks) for k, c in got.items()} == {
+        (16, 5): (8, 2), (16, 6): (8, 2), (16, 7): (8, 2), (32, 3): (16, 2), (128, 3): (21, 7),
+        (128, 1): (64, 2)}
+    r = kernel_config(16, 3, 64, "rocm")  # at most 32 rows there: 10 heads a block before
+    assert (r.heads_per_block, r.num_head_blocks, r.block_m) == (8, 2, 32), r

@@ -335,10 +335,11 @@ def stage_ab_fp8_h128(_):
             300, name, JAX_MLA_FFI_LIBRARY=_ffi_library())
 
 
-# fp8 verify at 16 heads, Q = 5-7: the 64-row tile's head blocks of 12, 10 and 9 heads spill
-# 284-664 bytes even under triton 3.6 (``python -m jax_mla.aot``, 2026-12-05); 16-row programs
-# (``max_rows=16``: 3, 3 and 2 heads a block) fit. Which is faster decides the rule.
-FP8_VERIFY_AB = ("ab_fp8_verify.json", ("base", "mr16:max_rows=16"),
+# fp8 verify at 16 heads, Q = 5-7: the 64-row tile's head blocks of 12, 10 and 9 heads spilled
+# 284-664 bytes even under triton 3.6 (``python -m jax_mla.aot``, 2026-12-05); blocks of 8 (the
+# default since: ``pow2_head_blocks``) and 16-row programs (``max_rows=16``) fit. Q = 4 (16
+# heads, one block) beside them.
+FP8_VERIFY_AB = ("ab_fp8_verify.json", ("base", "hb0:pow2_head_blocks=0", "mr16:max_rows=16"),
                  ("64,16,4096,5,64,fp8", "64,16,4096,6,64,fp8q", "64,16,4096,7,64,fp8",
                   "64,16,4096,4,64,fp8"))
 

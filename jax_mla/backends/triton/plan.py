@@ -8,7 +8,9 @@ Rules (measured figures behind them: ``benchmarks/results/h200/RESULTS.md``):
 
 - A program's MMA tile holds ``Q x heads-per-block`` rows, at most ``MAX_ROWS`` (the float32
   ``[rows, L]`` accumulator is what the register file bounds); more heads make more head
-  blocks. Rows pack ``m = t * HB + h`` so a latent row is read once per request and head block.
+  blocks. Rows pack ``m = t * HB + h`` so a latent row is read once per request and head block;
+  split heads take a power of two a block where that needs no more blocks (shifts, not
+  divisions, in the kernel: :func:`pow2_heads_per_block`).
 - 16 rows: ``mma.sync``, the KV tile double-buffered, two programs per SM. 64 rows (wgmma on
   Hopper): on Hopper the Gluon two-warpgroup kernel where it serves the dtypes and geometry
   (:func:`sm90_supported`), else the Triton tile with its score columns split between the two
@@ -115,6 +117,19 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def pow2_heads_per_block(num_heads: int, hb: int, nhb: int) -> int:
+    """Heads a block when heads are split into ``nhb`` blocks of at most ``hb``: the largest
+    power of two that still needs only ``nhb`` blocks, else ``hb``. Rows pack as
+    ``t * HB + h``, so a power of two makes the kernel's ``m // HB`` and ``m % HB`` shifts;
+    the 64-row fp8 verify tile at 16 heads, ``Q = 5..7`` (12, 10, 9 heads a block, 8 from
+    here), spilled 284-664 bytes for that under triton 3.6. The block count, hence the KV
+    traffic and the grid, does not change."""
+    if nhb == 1:
+        return hb
+    p2 = 1 << (hb.bit_length() - 1)
+    return p2 if -(-num_heads // p2) == nhb else hb
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonTuning:
     """Overrides of the Triton backend's rules (None / the default: the rule decides).
@@ -122,30 +137,32 @@ class TritonTuning:
     ``block_n``, ``num_warps``, ``num_stages``: the Triton decode tile (any of them set keeps
     the Gluon kernel out); ``ctas_per_sm``: programs per SM; ``max_rows``: most MMA rows a
     program holds; ``min_block_m``: smallest MMA tile; ``wg_split``: split the 64-row Triton
-    tile's score columns between warpgroups (CUDA); ``sm90_kernel``: the Gluon kernel for
-    64-row tiles on Hopper; ``l2_hints``: keep split partials in L2; ``affine_reduce``: the
-    two-load reduce for this package's plans; ``reduce_block_s`` / ``reduce_block_l``: the
-    reduce's chunk and column block; ``split_plan``: ``auto``, ``line`` or ``even``;
-    ``planner``: how the split schedule is computed, ``kernel`` (one Triton program,
-    ``kernels/triton/plan.py``), ``jnp`` (XLA ops) or ``auto`` (the kernel on GPUs, jnp on
-    CPU, where the interpreter would be slower than XLA); both give the same arrays, bit for
-    bit. ``launcher``: how kernels reach XLA on GPUs, ``ffi`` (jax_mla's own FFI handler),
-    ``jax_triton`` or ``auto`` (``launch.resolve_launcher``). ``pdl``: programmatic dependent
-    launch of the Triton decode and reduce kernels on Hopper (each may be launched while the
-    kernel before it finishes, and waits for it before touching memory; off until measured:
-    ``python -m jax_mla.bench.session ab_pdl``). ``fp8_f16``: an fp8 cache's products in float16
-    on CUDA (and the interpreter): the cache converts to float16 in one instruction a pair, to
-    bf16 in about four; bf16 query rows are scaled by a power of two each to fit float16 exactly
-    (``kernels/triton/decode.py``, ``_to_f16_rows``). Off by default until its speed is
-    measured (``python -m jax_mla.bench.session ab_fp8``). ``fp8_qk``: an fp8 query against an
-    fp8 cache in fp8 products on CUDA (and the interpreter): the scores are exact products of the
-    stored values, nothing of the cache converted for them; the values go to float16 for
-    ``P @ V``.
-    On by default; off: the query is dequantised to bf16 first (an XLA kernel before the decode
-    kernel, and bf16 products), as before. ``fp8_convert_once``: on CUDA an fp8 cache's tile is
-    converted to 16 bits once, in the layout it was loaded in, and reaches both products
-    through shared memory (``CVT_ONCE`` in ``kernels/triton/decode.py``); off: Triton's own
-    placement (converted per operand, the ``V`` operand read a byte at a time). On by default.
+    tile's score columns between warpgroups (CUDA); ``sm90_kernel``: the Gluon kernel for 64-row
+    tiles on Hopper; ``l2_hints``: keep split partials in L2; ``affine_reduce``: the two-load
+    reduce for this package's plans; ``reduce_block_s`` / ``reduce_block_l``: the reduce's chunk
+    and column block; ``split_plan``: ``auto``, ``line`` or ``even``; ``planner``: how the split
+    schedule is computed, ``kernel`` (one Triton program, ``kernels/triton/plan.py``), ``jnp``
+    (XLA ops) or ``auto`` (the kernel on GPUs, jnp on CPU, where the interpreter would be slower
+    than XLA); both give the same arrays, bit for bit. ``launcher``: how kernels reach XLA on
+    GPUs, ``ffi`` (jax_mla's own FFI handler), ``jax_triton`` or ``auto``
+    (``launch.resolve_launcher``). ``pdl``: programmatic dependent launch of the Triton decode
+    and reduce kernels on Hopper (each may be launched while the kernel before it finishes, and
+    waits for it before touching memory; off: on the H200 it changed neither GPU nor stream time
+    beyond noise). ``fp8_f16``: an fp8 cache's products in float16 on CUDA (and the
+    interpreter): the cache converts to float16 in one instruction a pair, to bf16 in about
+    four; bf16 query rows are scaled by a power of two each to fit float16 exactly
+    (``kernels/triton/decode.py``, ``_to_f16_rows``). Off: on the H200 it was slower than bf16
+    products at three programs an SM, which float16 products do not fit. ``fp8_qk``: an fp8
+    query against an fp8 cache in fp8 products on CUDA (and the interpreter): the scores are
+    exact products of the stored values, nothing of the cache converted for them; the values go
+    to float16 for ``P @ V``. On by default; off: the query is dequantised to bf16 first (an XLA
+    kernel before the decode kernel, and bf16 products), as before. ``fp8_convert_once``: on
+    CUDA an fp8 cache's tile is converted to 16 bits once, in the layout it was loaded in, and
+    reaches both products through shared memory (``CVT_ONCE`` in ``kernels/triton/decode.py``);
+    off: Triton's own placement (converted per operand, the ``V`` operand read a byte at a
+    time). On by default. ``pow2_head_blocks``: split heads take a power of two a block where
+    that needs no more blocks (:func:`pow2_heads_per_block`); off: as many as the rows allow. On
+    by default.
     """
 
     block_n: int | None = None
@@ -167,6 +184,7 @@ class TritonTuning:
     fp8_f16: bool = False
     fp8_qk: bool = True
     fp8_convert_once: bool = True
+    pow2_head_blocks: bool = True
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -199,6 +217,7 @@ class TritonTuning:
             fp8_f16=env.read_flag("JAX_MLA_TRITON_FP8_F16", False),
             fp8_qk=env.read_flag("JAX_MLA_TRITON_FP8_QK", True),
             fp8_convert_once=env.read_flag("JAX_MLA_TRITON_FP8_CONVERT_ONCE", True),
+            pow2_head_blocks=env.read_flag("JAX_MLA_TRITON_POW2_HEAD_BLOCKS", True),
         )
 
     @property
@@ -337,6 +356,8 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
             max_rows = 16
     hb = num_heads if qlen * num_heads <= max_rows else max(1, max_rows // qlen)
     nhb = -(-num_heads // hb)
+    if tuning.pow2_head_blocks:
+        hb = pow2_heads_per_block(num_heads, hb, nhb)
     block_m = max(min_block_m, next_pow2(qlen * hb))
     common = dict(heads_per_block=hb, num_head_blocks=nhb, block_m=block_m,
                   l2_hints=tuning.l2_hints, pdl=pdl_enabled(target, tuning))
