@@ -21,7 +21,7 @@ Rules (measured figures behind them: ``benchmarks/results/h200/RESULTS.md``):
   two stages, three programs an SM (:data:`CUDA_FP32_TILE`; the 64-row tile took 304 KiB of
   shared memory). An fp8 cache's 16-row programs on CUDA take 16-token tiles at four stages,
   three programs an SM (:data:`CUDA_FP8_TILE`: the 32-token tile spilled in its conversion;
-  three were 10 % faster than two on the H200).
+  three cut the decode kernel's time by 10 % on the H200).
 - AMD Instinct has tiles of its own per architecture (:data:`ROCM_TILES`): at most 32 rows
   (16 for float32 caches), 4 warps, 16-token KV tiles, fitting gfx942's 64 KiB of LDS with no
   spills (float32 on gfx942 compiled with Triton's in-thread transpose off: ``compiler.py``).
@@ -68,8 +68,8 @@ CUDA_FP32_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm":
 # fp8 caches on CUDA at 16 rows: 16-token KV tiles, 4 stages (the 16-bit tile's 32 tokens at 3
 # stages spilled 48-156 bytes at 255 registers under triton 3.9's ptxas, 12-16 under triton
 # 3.6's; the fp8 -> bf16 conversion of a 32-token tile is what overflows). Converted once where
-# it is loaded (``CVT_ONCE``), every 16-row variant compiles for sm_90a to 155-167 registers and
-# 62-63 KiB with no spills (``python -m jax_mla.aot``, triton 3.6), so three programs fit an SM;
+# it is loaded (``CVT_ONCE``), every 16-row variant compiles for sm_90a to 155-168 registers and
+# 62-63 KiB with no spills (``python -m jax_mla.aot``, triton 3.6 and 3.9), so three fit an SM;
 # on the H200 (2026-12-05, B64 H16 S4k bf16 query) three took the decode kernel from 154 to
 # 138 us (the step 159 -> 146 us GPU, 180 -> 174 us stream) where the 16-bit tile lost 34 % at
 # three. The 64-row fp8 tile still spills under triton 3.9 (docs/aot.md).
