@@ -480,6 +480,12 @@ auto BindAttrs(Binding binding) {
       .template Attr<int32_t>("cp_rank");
 }
 
+// Initialize stage of both handlers: the code object loaded (and cached) for this device.
+ffi::Error LoadOnce(int32_t device, std::string_view co_path, std::string_view kernel_name) {
+  auto function = GetFunction(device, co_path, kernel_name);
+  return function.has_error() ? function.error() : ffi::Error::Success();
+}
+
 template <typename Binding>
 auto BindGpu(Binding binding) {
   return BindAttrs(BindBuffers(std::move(binding)
@@ -489,8 +495,7 @@ auto BindGpu(Binding binding) {
 
 ffi::Error InitializeStage(void*, int32_t device, JAX_MLA_AITER_BUFFER_PARAMS,
                            JAX_MLA_AITER_ATTR_PARAMS) {
-  auto function = GetFunction(device, co_path, kernel_name);
-  return function.has_error() ? function.error() : ffi::Error::Success();
+  return LoadOnce(device, co_path, kernel_name);
 }
 
 ffi::Error ExecuteStage(void* stream, int32_t device, JAX_MLA_AITER_BUFFER_PARAMS,
@@ -759,8 +764,7 @@ auto BindPsGpu(Binding binding) {
 
 ffi::Error InitializePs(void*, int32_t device, JAX_MLA_AITER_PS_BUFFER_PARAMS,
                         JAX_MLA_AITER_PS_ATTR_PARAMS) {
-  auto function = GetFunction(device, co_path, kernel_name);
-  return function.has_error() ? function.error() : ffi::Error::Success();
+  return LoadOnce(device, co_path, kernel_name);
 }
 
 ffi::Error ExecutePs(void* stream, int32_t device, JAX_MLA_AITER_PS_BUFFER_PARAMS,
