@@ -244,13 +244,16 @@ def variants(target_name: str, heads=HEADS, qlens=QLENS, dtypes=DTYPES, batch: i
     dtypes = [d for d in dtypes if not d.startswith("fp8") or LIMITS[target_name].fp8]
     out = []
 
-    def add(job, heads, qlen, dtypes_label, **extra):
+    def add(job, heads, qlen, dtypes_label, programs=None):
         fn = job.kernel.split(":")[1]
         consts = dict(job.constexprs)
         config = {k: consts[k] for k in TILE_KEYS[fn] if k in consts}
         config.update(num_warps=job.num_warps, num_stages=job.num_stages)
-        out.append((dict(kernel=_label(job, qlen), function=fn, num_heads=heads, qlen=qlen,
-                         dtypes=dtypes_label, config=config, **extra), job))
+        row = dict(kernel=_label(job, qlen), function=fn, num_heads=heads, qlen=qlen,
+                   dtypes=dtypes_label, config=config)
+        if fn.startswith("mla_decode"):  # a persistent grid: all of it resident at once
+            row.update(programs=programs, cores=target.num_cores)
+        out.append((row, job))
 
     for name in dtypes:
         kv = cache_dtype(target_name, name)
@@ -259,11 +262,7 @@ def variants(target_name: str, heads=HEADS, qlens=QLENS, dtypes=DTYPES, batch: i
             for h in heads:
                 for job, programs in _decode_launches(target, h, qlen, kv, batch,
                                                       name == "fp8q"):
-                    fn = job.kernel.split(":")[1]
-                    # The decode grid is persistent: all of it must be resident at once.
-                    extra = ({"programs": programs, "cores": target.num_cores}
-                             if fn.startswith("mla_decode") else {})
-                    add(job, h, qlen, label, **extra)
+                    add(job, h, qlen, label, programs)
         if name == "fp8q":
             continue  # prefill has no fp8-query form of its own (fp8 rows above)
         for h in heads:

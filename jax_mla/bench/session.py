@@ -446,10 +446,10 @@ def _memcheck_runs(lib, runs=MEMCHECK_RUNS, kernels=None):
                           " --xla_gpu_enable_command_buffer=").strip())
     for name, args, limit in runs:
         path = os.path.join(OUT, f"memcheck_{name}.txt")
-        exclude = os.environ.get("JAX_MLA_MEMCHECK_KERNEL_EXCLUDE")
         cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
                *(["--kernel-name", kernels] if kernels else []),
-               *(["--kernel-name-exclude", exclude] if exclude else []),
+               *(["--kernel-name-exclude", MEMCHECK_KERNEL_EXCLUDE]
+                 if MEMCHECK_KERNEL_EXCLUDE else []),
                "--log-file", path, sys.executable, *args]
         t = time.time()
         try:
@@ -538,6 +538,7 @@ def stage_memcheck_conformance(_):
 # ``--kernel-name-exclude`` filter, e.g. ``kns=mla_decode_sm90``) take them apart.
 MEMCHECK_SHARDS = int(os.environ.get("JAX_MLA_MEMCHECK_SHARDS", 4))
 MEMCHECK_KERNELS = "kns=mla_"
+MEMCHECK_KERNEL_EXCLUDE = os.environ.get("JAX_MLA_MEMCHECK_KERNEL_EXCLUDE")
 MEMCHECK_CONFORMANCE_LIMIT = int(os.environ.get("JAX_MLA_MEMCHECK_LIMIT", 390))
 
 
