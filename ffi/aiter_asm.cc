@@ -1,7 +1,8 @@
 // XLA FFI handlers that launch AITER's hand-written assembly MLA decode kernels (stage 1 of
-// `mla_decode_fwd`, persistent and split-KV) and its fp8 persistent-scheduling prefill kernel
-// (`mla_prefill_ps_asm_fwd`, at the end of this file) from the `.co` code objects of an
-// installed AITER, with jax_mla's own copy of the kernels' argument blocks. No torch, no AITER
+// `mla_decode_fwd`, persistent and split-KV), its fp8 persistent-scheduling prefill kernel
+// (`mla_prefill_ps_asm_fwd`) and its FlashAttention v3 forward (`fmha_v3_varlen_fwd`, the
+// kernel `flash_attn_varlen_func` runs for MLA's qk 192 / v 128 prefill; both at the end of this
+// file) from the `.co` code objects of an installed AITER, with jax_mla's own copy of the kernels' argument blocks. No torch, no AITER
 // C++, no Python per call.
 //
 // The argument block (`MlaAsmKernelArgs`) was read from ROCm/aiter at commit
@@ -806,6 +807,324 @@ ffi::Error PackPsStage(JAX_MLA_AITER_PS_BUFFER_PARAMS, ffi::Result<ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+
+// ---- the FlashAttention v3 forward: `fmha_v3_varlen_fwd` (group mode) ------------------------
+//
+// Read from the same commit: `struct __attribute__((packed)) fmha_fwd_v3_args` in
+// csrc/include/mha_fwd.h, filled by `init_fmha_fwd_v3_args` and launched by `fmha_fwd_v3` in
+// csrc/cpp_itfs/mha_fwd.cu, from the operands `get_asm_mha_varlen_fwd_args`
+// (csrc/py_itfs_cu/asm_mha_varlen_fwd.cu) derives for packed varlen q, k, v. Five pointers,
+// twenty-two 32-bit scalars, the sequence-start pointers and the fp8 descale fields, each in its
+// own 16-byte slot (656 bytes; the bf16 code objects declare the first 512). Group mode: the
+// batch strides are 0, `s_seq_len` and `s_kv_seq_len` are the packed token counts, and the
+// sequence starts go both as the sequence and the padding pointers (no padded layout). Strides
+// are in bytes. The launch rule values (query tile, tile merge, tuning option, threads) come
+// as attributes from native_fmha.py, which ports AITER's rules for them.
+
+struct __attribute__((packed)) MlaFmhaFwdKernelArgs {
+  void* ptr_o;                  // out [q tokens, q heads, v head_dim] bf16
+  Pad2 pad_o;
+  void* ptr_q;                  // q [q tokens, q heads, qk head_dim] bf16
+  Pad2 pad_q;
+  void* ptr_k;                  // k [kv tokens, kv heads, qk head_dim] bf16
+  Pad2 pad_k;
+  void* ptr_v;                  // v [kv tokens, kv heads, v head_dim] bf16
+  Pad2 pad_v;
+  void* ptr_lse;                // lse [q heads, q tokens] f32 (natural log) or null
+  Pad2 pad_lse;
+  float scalar;                 // softmax scale
+  Pad3 pad_scalar;
+  uint32_t s_seq_len;           // q tokens (group mode: all sequences)
+  Pad3 pad_seq_len;
+  uint32_t s_Seqs;              // q token stride, bytes
+  Pad3 pad_seqs;
+  uint32_t s_Ts;                // one query tile of tokens, bytes
+  Pad3 pad_ts;
+  uint32_t s_Hs;                // q head stride, bytes
+  Pad3 pad_hs;
+  uint32_t s_Bs;                // q batch stride: 0 in group mode
+  Pad3 pad_bs;
+  uint32_t s_gqa;               // q heads per kv head
+  Pad3 pad_gqa;
+  uint32_t s_k_Seqs;
+  Pad3 pad_k_seqs;
+  uint32_t s_k_Hs;
+  Pad3 pad_k_hs;
+  uint32_t s_k_Bs;
+  Pad3 pad_k_bs;
+  uint32_t s_opt;               // AITER's tuning option
+  Pad3 pad_opt;
+  uint32_t s_lse;               // 1: write lse
+  Pad3 pad_s_lse;
+  uint32_t s_kv_seq_len;        // kv tokens (group mode: all sequences)
+  Pad3 pad_kv_seq_len;
+  uint32_t s_qk_head_dim;
+  Pad3 pad_qk_head_dim;
+  uint32_t s_v_head_dim;
+  Pad3 pad_v_head_dim;
+  uint32_t s_q_head_num;
+  Pad3 pad_q_head_num;
+  uint32_t s_v_Seqs;
+  Pad3 pad_v_seqs;
+  uint32_t s_v_Hs;
+  Pad3 pad_v_hs;
+  uint32_t s_v_Bs;
+  Pad3 pad_v_bs;
+  uint32_t s_o_Seqs;
+  Pad3 pad_o_seqs;
+  uint32_t s_o_Hs;
+  Pad3 pad_o_hs;
+  uint32_t s_o_Bs;
+  Pad3 pad_o_bs;
+  const void* ptr_qseq;         // int32 [batch + 1] query sequence starts
+  Pad2 pad_qseq;
+  const void* ptr_kseq;         // int32 [batch + 1] key sequence starts
+  Pad2 pad_kseq;
+  uint32_t s_lse_Hs;            // lse head stride, bytes
+  Pad3 pad_lse_hs;
+  const void* ptr_qseq_padding;  // the physical starts: the same array here
+  Pad2 pad_qseq_padding;
+  const void* ptr_kseq_padding;
+  Pad2 pad_kseq_padding;
+  const void* ptr_q_descale;    // fp8 kernels only: null
+  Pad2 pad_q_descale;
+  const void* ptr_k_descale;
+  Pad2 pad_k_descale;
+  const void* ptr_v_descale;
+  Pad2 pad_v_descale;
+  uint32_t s_descale_q_Bs;
+  Pad3 pad_descale_q_bs;
+  uint32_t s_descale_q_Hs;
+  Pad3 pad_descale_q_hs;
+  uint32_t s_descale_k_Bs;
+  Pad3 pad_descale_k_bs;
+  uint32_t s_descale_k_Hs;
+  Pad3 pad_descale_k_hs;
+  uint32_t s_descale_v_Bs;
+  Pad3 pad_descale_v_bs;
+  uint32_t s_descale_v_Hs;
+  Pad3 pad_descale_v_hs;
+};
+
+static_assert(sizeof(MlaFmhaFwdKernelArgs) == 0x290,
+              "AITER e4048607 fmha_fwd_v3_args is 656 bytes");
+#define JAX_MLA_AITER_FMHA_FIELDS(X)                                                          \
+  X(ptr_o, 0x00) X(ptr_q, 0x10) X(ptr_k, 0x20) X(ptr_v, 0x30) X(ptr_lse, 0x40)               \
+  X(scalar, 0x50) X(s_seq_len, 0x60) X(s_Seqs, 0x70) X(s_Ts, 0x80) X(s_Hs, 0x90)             \
+  X(s_Bs, 0xA0) X(s_gqa, 0xB0) X(s_k_Seqs, 0xC0) X(s_k_Hs, 0xD0) X(s_k_Bs, 0xE0)             \
+  X(s_opt, 0xF0) X(s_lse, 0x100) X(s_kv_seq_len, 0x110) X(s_qk_head_dim, 0x120)              \
+  X(s_v_head_dim, 0x130) X(s_q_head_num, 0x140) X(s_v_Seqs, 0x150) X(s_v_Hs, 0x160)          \
+  X(s_v_Bs, 0x170) X(s_o_Seqs, 0x180) X(s_o_Hs, 0x190) X(s_o_Bs, 0x1A0) X(ptr_qseq, 0x1B0)   \
+  X(ptr_kseq, 0x1C0) X(s_lse_Hs, 0x1D0) X(ptr_qseq_padding, 0x1E0)                           \
+  X(ptr_kseq_padding, 0x1F0) X(ptr_q_descale, 0x200) X(ptr_k_descale, 0x210)                 \
+  X(ptr_v_descale, 0x220) X(s_descale_q_Bs, 0x230) X(s_descale_q_Hs, 0x240)                  \
+  X(s_descale_k_Bs, 0x250) X(s_descale_k_Hs, 0x260) X(s_descale_v_Bs, 0x270)                 \
+  X(s_descale_v_Hs, 0x280)
+#define JAX_MLA_AITER_FMHA_ASSERT_OFFSET(field, offset)                        \
+  static_assert(offsetof(MlaFmhaFwdKernelArgs, field) == (offset),             \
+                "MlaFmhaFwdKernelArgs::" #field " is not where AITER e4048607 has it");
+JAX_MLA_AITER_FMHA_FIELDS(JAX_MLA_AITER_FMHA_ASSERT_OFFSET)
+#undef JAX_MLA_AITER_FMHA_ASSERT_OFFSET
+
+struct FmhaAttrs {
+  std::string_view co_path;
+  std::string_view kernel_name;
+  float softmax_scale;
+  int32_t ts_qo;          // query rows a workgroup takes (the kernel table's ts_qo)
+  int32_t tg_div;         // query tiles a workgroup takes (2: a head and a tail tile, causal)
+  int32_t opt;            // AITER's tuning option (s_opt)
+  int32_t block_threads;  // 256 for qk 192 / v 128, else 512
+};
+
+struct FmhaPacked {
+  MlaFmhaFwdKernelArgs args;
+  uint32_t grid[3];
+};
+
+ffi::Error InvalidFmha(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_mla_aiter_asm_fmha_fwd: " + what);
+}
+
+ffi::ErrorOr<FmhaPacked> PackFmha(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                  ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,
+                                  ffi::AnyBuffer out, ffi::AnyBuffer lse, const FmhaAttrs& a) {
+  auto fail = [](const std::string& what) { return ffi::Unexpected(InvalidFmha(what)); };
+  for (auto [buf, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
+    if (buf->dimensions().size() != 3) {
+      return fail(std::string(name) + " must be [tokens, heads, head_dim], got " + Dims(*buf));
+    }
+    if (buf->element_type() != ffi::DataType::BF16) {
+      return fail(std::string(name) + " must be bfloat16 (the v3 kernels' 16-bit type)");
+    }
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd[2] != kd[2]) return fail("q " + Dims(q) + " and k " + Dims(k) + " differ in head_dim");
+  if (vd[0] != kd[0] || vd[1] != kd[1]) {
+    return fail("v " + Dims(v) + " must have k's tokens and heads " + Dims(k));
+  }
+  if (kd[1] < 1 || qd[1] % kd[1] != 0) {
+    return fail("q's heads must be a multiple of k's: q " + Dims(q) + ", k " + Dims(k));
+  }
+  if (out.element_type() != ffi::DataType::BF16 || out.dimensions().size() != 3 ||
+      out.dimensions()[0] != qd[0] || out.dimensions()[1] != qd[1] ||
+      out.dimensions()[2] != vd[2]) {
+    return fail("out must be bfloat16 [q tokens, q heads, v head_dim], got " + Dims(out));
+  }
+  const bool has_lse = lse.element_count() != 0;
+  if (lse.element_type() != ffi::DataType::F32 ||
+      (has_lse && (lse.dimensions().size() != 2 || lse.dimensions()[0] != qd[1] ||
+                   lse.dimensions()[1] != qd[0]))) {
+    return fail("lse must be float32 [q heads, q tokens] or empty, got " + Dims(lse));
+  }
+  for (auto [buf, name] : {std::pair{&cu_seqlens_q, "cu_seqlens_q"},
+                           {&cu_seqlens_k, "cu_seqlens_k"}}) {
+    if (buf->element_type() != ffi::DataType::S32 || buf->dimensions().size() != 1 ||
+        buf->element_count() < 1) {
+      return fail(std::string(name) + " must be int32 [batch + 1], got " + Dims(*buf));
+    }
+  }
+  if (cu_seqlens_k.element_count() != cu_seqlens_q.element_count()) {
+    return fail("cu_seqlens_q " + Dims(cu_seqlens_q) + " and cu_seqlens_k " +
+                Dims(cu_seqlens_k) + " must both have batch + 1 entries");
+  }
+  if (a.ts_qo < 1 || a.tg_div < 1 || a.opt < 0 || a.block_threads < 1) {
+    return fail("ts_qo, tg_div and block_threads must be positive and opt non-negative");
+  }
+  constexpr int64_t bpe = 2;  // bf16 in and out
+  const int64_t q_seqs = qd[1] * qd[2] * bpe, k_seqs = kd[1] * kd[2] * bpe;
+  const int64_t v_seqs = vd[1] * vd[2] * bpe, o_seqs = qd[1] * vd[2] * bpe;
+  const int64_t batch = cu_seqlens_q.element_count() - 1;
+  for (int64_t n : {qd[0], kd[0], qd[1], batch, q_seqs * a.ts_qo, k_seqs, v_seqs, o_seqs,
+                    qd[0] * 4}) {
+    if (n > UINT32_MAX) return fail("a size or byte stride exceeds the kernel's 32-bit arguments");
+  }
+  FmhaPacked p{};
+  MlaFmhaFwdKernelArgs& g = p.args;
+  g.ptr_o = Ptr(out);
+  g.ptr_q = Ptr(q);
+  g.ptr_k = Ptr(k);
+  g.ptr_v = Ptr(v);
+  g.ptr_lse = has_lse ? lse.untyped_data() : nullptr;
+  g.scalar = a.softmax_scale;
+  g.s_seq_len = static_cast<uint32_t>(qd[0]);
+  g.s_Seqs = static_cast<uint32_t>(q_seqs);
+  g.s_Ts = static_cast<uint32_t>(q_seqs * a.ts_qo);
+  g.s_Hs = static_cast<uint32_t>(qd[2] * bpe);
+  g.s_gqa = static_cast<uint32_t>(qd[1] / kd[1]);
+  g.s_k_Seqs = static_cast<uint32_t>(k_seqs);
+  g.s_k_Hs = static_cast<uint32_t>(kd[2] * bpe);
+  g.s_opt = static_cast<uint32_t>(a.opt);
+  g.s_lse = has_lse ? 1 : 0;
+  g.s_kv_seq_len = static_cast<uint32_t>(kd[0]);
+  g.s_qk_head_dim = static_cast<uint32_t>(qd[2]);
+  g.s_v_head_dim = static_cast<uint32_t>(vd[2]);
+  g.s_q_head_num = static_cast<uint32_t>(qd[1]);
+  g.s_v_Seqs = static_cast<uint32_t>(v_seqs);
+  g.s_v_Hs = static_cast<uint32_t>(vd[2] * bpe);
+  g.s_o_Seqs = static_cast<uint32_t>(o_seqs);
+  g.s_o_Hs = static_cast<uint32_t>(vd[2] * bpe);
+  g.ptr_qseq = g.ptr_qseq_padding = Ptr(cu_seqlens_q);
+  g.ptr_kseq = g.ptr_kseq_padding = Ptr(cu_seqlens_k);
+  g.s_lse_Hs = has_lse ? static_cast<uint32_t>(qd[0] * 4) : 0;
+  // Group mode: heads, sequences, then query tiles of all q tokens (AITER sizes z by the
+  // packed count; a workgroup past its sequence's end returns).
+  const int64_t tiles = (qd[0] + a.ts_qo - 1) / a.ts_qo;
+  p.grid[0] = static_cast<uint32_t>(qd[1]);
+  p.grid[1] = static_cast<uint32_t>(batch);
+  p.grid[2] = static_cast<uint32_t>((tiles + a.tg_div - 1) / a.tg_div);
+  return p;
+}
+
+#define JAX_MLA_AITER_FMHA_BUFFER_PARAMS                                                   \
+  ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer cu_seqlens_q,      \
+      ffi::AnyBuffer cu_seqlens_k, ffi::Result<ffi::AnyBuffer> out,                       \
+      ffi::Result<ffi::AnyBuffer> lse
+#define JAX_MLA_AITER_FMHA_BUFFER_ARGS q, k, v, cu_seqlens_q, cu_seqlens_k, *out, *lse
+#define JAX_MLA_AITER_FMHA_ATTR_PARAMS                                                     \
+  std::string_view co_path, std::string_view kernel_name, float softmax_scale,            \
+      int32_t ts_qo, int32_t tg_div, int32_t opt, int32_t block_threads
+#define JAX_MLA_AITER_FMHA_ATTRS \
+  FmhaAttrs { co_path, kernel_name, softmax_scale, ts_qo, tg_div, opt, block_threads }
+
+template <typename Binding>
+auto BindFmha(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .template Arg<ffi::AnyBuffer>()  // cu_seqlens_q
+      .template Arg<ffi::AnyBuffer>()  // cu_seqlens_k
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>();  // lse or empty
+}
+
+template <typename Binding>
+auto BindFmhaAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<std::string_view>("co_path")
+      .template Attr<std::string_view>("kernel_name")
+      .template Attr<float>("softmax_scale")
+      .template Attr<int32_t>("ts_qo")
+      .template Attr<int32_t>("tg_div")
+      .template Attr<int32_t>("opt")
+      .template Attr<int32_t>("block_threads");
+}
+
+template <typename Binding>
+auto BindFmhaGpu(Binding binding) {
+  return BindFmhaAttrs(BindFmha(std::move(binding)
+                                    .template Ctx<ffi::PlatformStream<void*>>()
+                                    .template Ctx<ffi::DeviceOrdinal>()));
+}
+
+ffi::Error InitializeFmha(void*, int32_t device, JAX_MLA_AITER_FMHA_BUFFER_PARAMS,
+                          JAX_MLA_AITER_FMHA_ATTR_PARAMS) {
+  return LoadOnce(device, co_path, kernel_name);
+}
+
+ffi::Error ExecuteFmha(void* stream, int32_t device, JAX_MLA_AITER_FMHA_BUFFER_PARAMS,
+                       JAX_MLA_AITER_FMHA_ATTR_PARAMS) {
+  auto packed = PackFmha(JAX_MLA_AITER_FMHA_BUFFER_ARGS, JAX_MLA_AITER_FMHA_ATTRS);
+  if (packed.has_error()) return packed.error();
+  auto function = GetFunction(device, co_path, kernel_name);  // cached at initialize
+  if (function.has_error()) return function.error();
+  FmhaPacked& p = *packed;
+  if (p.grid[0] == 0 || p.grid[1] == 0 || p.grid[2] == 0) return ffi::Error::Success();
+  const Hip& hip = GetHip();
+  size_t arg_size = sizeof(MlaFmhaFwdKernelArgs);
+  void* config[] = {reinterpret_cast<void*>(0x01), &p.args, reinterpret_cast<void*>(0x02),
+                    &arg_size, reinterpret_cast<void*>(0x03)};
+  if (HipResult r = hip.launch_kernel(*function, p.grid[0], p.grid[1], p.grid[2],
+                                      static_cast<uint32_t>(block_threads), 1, 1, 0, stream,
+                                      nullptr, config);
+      r != 0) {
+    return ffi::Error::Internal("jax_mla: launching AITER's " + std::string(kernel_name) +
+                                " from " + std::string(co_path) + " failed (" +
+                                hip.Describe(r) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+// The CPU twin: the argument block's bytes, then the grid and block (six uint32).
+constexpr size_t kFmhaPackBytes = sizeof(MlaFmhaFwdKernelArgs) + 6 * sizeof(uint32_t);
+
+ffi::Error PackFmhaStage(JAX_MLA_AITER_FMHA_BUFFER_PARAMS,
+                         ffi::Result<ffi::AnyBuffer> packed_bytes,
+                         JAX_MLA_AITER_FMHA_ATTR_PARAMS) {
+  auto packed = PackFmha(JAX_MLA_AITER_FMHA_BUFFER_ARGS, JAX_MLA_AITER_FMHA_ATTRS);
+  if (packed.has_error()) return packed.error();
+  if (packed_bytes->size_bytes() != kFmhaPackBytes) {
+    return InvalidFmha("the packing result must be uint8[" + std::to_string(kFmhaPackBytes) +
+                       "]");
+  }
+  auto* dst = static_cast<uint8_t*>(packed_bytes->untyped_data());
+  std::memcpy(dst, &packed->args, sizeof(packed->args));
+  const uint32_t launch[6] = {packed->grid[0], packed->grid[1], packed->grid[2],
+                              static_cast<uint32_t>(block_threads), 1, 1};
+  std::memcpy(dst + sizeof(packed->args), launch, sizeof(launch));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace aiter_asm
 }  // namespace jax_mla
@@ -818,6 +1137,9 @@ JAX_MLA_EXPORT_HANDLER(JaxMlaAiterAsmPackCpu)
 JAX_MLA_EXPORT_HANDLER(JaxMlaAiterPsPrefillInitializeRocm)
 JAX_MLA_EXPORT_HANDLER(JaxMlaAiterPsPrefillExecuteRocm)
 JAX_MLA_EXPORT_HANDLER(JaxMlaAiterPsPrefillPackCpu)
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterFmhaFwdInitializeRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterFmhaFwdExecuteRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaAiterFmhaFwdPackCpu)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaAiterAsmInitializeRocm, jax_mla::aiter_asm::InitializeStage,
                               jax_mla::aiter_asm::BindGpu(ffi::Ffi::BindInitialize()));
@@ -838,6 +1160,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMlaAiterPsPrefillPackCpu, jax_mla::aiter_asm::PackPsStage,
     jax_mla::aiter_asm::BindPsAttrs(
         jax_mla::aiter_asm::BindPs(ffi::Ffi::Bind()).Ret<ffi::AnyBuffer>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaAiterFmhaFwdInitializeRocm,
+                              jax_mla::aiter_asm::InitializeFmha,
+                              jax_mla::aiter_asm::BindFmhaGpu(ffi::Ffi::BindInitialize()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaAiterFmhaFwdExecuteRocm, jax_mla::aiter_asm::ExecuteFmha,
+                              jax_mla::aiter_asm::BindFmhaGpu(ffi::Ffi::Bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaAiterFmhaFwdPackCpu, jax_mla::aiter_asm::PackFmhaStage,
+    jax_mla::aiter_asm::BindFmhaAttrs(
+        jax_mla::aiter_asm::BindFmha(ffi::Ffi::Bind()).Ret<ffi::AnyBuffer>()));
 
 // The argument block's layout as "name:offset;..." (offsets in bytes) plus "size:N", copied
 // into `buffer`; returns the full length. native.py checks its own table against this.
@@ -863,6 +1196,20 @@ extern "C" __attribute__((visibility("default"))) int JaxMlaAiterPsPrefillLayout
   JAX_MLA_AITER_PS_FIELDS(JAX_MLA_AITER_DESCRIBE)
 #undef JAX_MLA_AITER_DESCRIBE
   s += "size:" + std::to_string(sizeof(jax_mla::aiter_asm::MlaPsPrefillKernelArgs));
+  if (size > 0) std::snprintf(buffer, static_cast<size_t>(size), "%s", s.c_str());
+  return static_cast<int>(s.size());
+}
+
+// The FlashAttention v3 forward's argument block, in the same form.
+extern "C" __attribute__((visibility("default"))) int JaxMlaAiterFmhaFwdLayout(char* buffer,
+                                                                               int size) {
+  std::string s;
+#define JAX_MLA_AITER_DESCRIBE(field, offset)                                                \
+  s += #field ":" +                                                                          \
+       std::to_string(offsetof(jax_mla::aiter_asm::MlaFmhaFwdKernelArgs, field)) + ";";
+  JAX_MLA_AITER_FMHA_FIELDS(JAX_MLA_AITER_DESCRIBE)
+#undef JAX_MLA_AITER_DESCRIBE
+  s += "size:" + std::to_string(sizeof(jax_mla::aiter_asm::MlaFmhaFwdKernelArgs));
   if (size > 0) std::snprintf(buffer, static_cast<size_t>(size), "%s", s.c_str());
   return static_cast<int>(s.size());
 }

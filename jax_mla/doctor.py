@@ -8,8 +8,9 @@ What it reports, each as a line that is ``ok``, ``warn`` (works, with a limit wo
 - the packages each path needs: triton (and which of its backends are installed), torch, AITER
   (where it is, and whether its API matches the pinned manifest, ``backends/aiter/manifest.py``);
 - the FFI launcher library (``ffi/``): found, registered, its driver reachable on this GPU;
-- on ROCm, AITER's asm decode, fp8 PS prefill and Gluon decode kernels for this arch through
-  our launcher (``backends/aiter/native.py``, ``native_prefill.py``, ``gluon_kernels.py``):
+- on ROCm, AITER's asm decode, fp8 PS prefill, FlashAttention v3 prefill and Gluon decode
+  kernels for this arch through our launcher (``backends/aiter/native.py``,
+  ``native_prefill.py``, ``native_fmha.py``, ``gluon_kernels.py``):
   served natively, or through the Python bridge and why;
 - a tiny decode step on every backend available here, compiled for this device and checked
   against a float64 oracle, with its time per call.
@@ -122,11 +123,14 @@ def _launcher_checks(target) -> list[dict]:
         rows.append(dict(check="AITER asm via FFI", status=OK if why is None else WARN,
                          detail="AITER's .co kernels launch through jax_mla_aiter_asm_mla" if
                          why is None else f"the Python bridge serves the asm route: {why}"))
-        from jax_mla.backends.aiter import gluon_kernels, native_prefill
+        from jax_mla.backends.aiter import gluon_kernels, native_fmha, native_prefill
 
         for check, why, how in (
                 ("AITER fp8 PS prefill via FFI", native_prefill.unavailable_reason(target.arch),
                  "mla_prefill_ps_asm_fwd's .co launches through jax_mla_aiter_asm_prefill_ps"),
+                ("AITER FlashAttention prefill via FFI",
+                 native_fmha.unavailable_reason(target.arch, num_cu=target.num_cores),
+                 "fmha_v3_varlen_fwd's .co launches through jax_mla_aiter_asm_fmha_fwd"),
                 ("AITER Gluon decode via FFI",
                  gluon_kernels.unavailable_reason(target, target.arch),
                  "AITER's Gluon MLA kernels launch through jax_mla_triton")):

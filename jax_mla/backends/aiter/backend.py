@@ -8,10 +8,11 @@ when the library and the installed AITER's kernels are there, and falls back to 
 (warned once) when not. The segmented DCP verify launches the installed AITER's Triton kernel
 through jax_mla's own Triton launcher (``triton_kernels.py``: the FFI launcher on ROCm, the
 interpreter on CPU) when it matches the pinned JIT signature, with the same bridge fallback;
-so do the Gluon decode/verify on ROCm (``gluon_kernels.py``) and the fp8 PS prefill
-(``native_prefill.py``: its ``.co`` through jax_mla's handler). Only ``flash_attn_varlen_func``
-always goes through the bridge. Nothing here imports ``aiter``: the backend is available only
-on ROCm with ``aiter`` importable.
+so do the Gluon decode/verify on ROCm (``gluon_kernels.py``), the fp8 PS prefill
+(``native_prefill.py``: its ``.co`` through jax_mla's handler) and ``flash_attn_varlen_func``'s
+bf16 prefill (``native_fmha.py``: AITER's FlashAttention v3 ``.co`` through jax_mla's handler).
+Nothing here imports ``aiter``: the backend is available only on ROCm with ``aiter``
+importable.
 
 Head padding is route-dependent (asm pads to the kernel's head count, Gluon and segmented do
 not), so plans keep the real count and the bridge pads and unpads around each kernel call with
@@ -26,7 +27,14 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_mla import heads as _heads
-from jax_mla.backends.aiter import bridge, gluon_kernels, native, native_prefill, triton_kernels
+from jax_mla.backends.aiter import (
+    bridge,
+    gluon_kernels,
+    native,
+    native_fmha,
+    native_prefill,
+    triton_kernels,
+)
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.plan import AiterPlan, make_plan
 from jax_mla.backends.aiter.schedule import VIEWS, build_schedule
@@ -168,6 +176,28 @@ class AiterBackend(Backend):
         return bridge.fp8_prefill(q, k, v, cu_q, **kw)
 
     @staticmethod
+    def _flash_attn_varlen(q, k, v, cu_q, cu_k, *, target, arch, **kw):
+        """FlashAttention varlen: on ROCm AITER's v3 asm kernel launched by jax_mla
+        (``native_fmha.py``) when AITER would run it for these operands and the install has it,
+        else the Python bridge (warned once per process); elsewhere (CPU tests) the bridge."""
+        if target.platform == "rocm":
+            routing = native_fmha.routing_reason(arch, q, k, v, max_seqlen_k=kw["max_seqlen_k"])
+            if routing is None:
+                reason = native_fmha.unavailable_reason(arch, causal=kw["causal"],
+                                                        num_cu=target.num_cores)
+                if reason is None:
+                    try:
+                        return native_fmha.flash_attn_varlen(q, k, v, cu_q, cu_k, arch=arch,
+                                                             num_cu=target.num_cores, **kw)
+                    except (native.AiterInstallError, NotImplementedError) as e:
+                        reason = str(e)
+                native.warn_fallback(reason, native_fmha.FALLBACK_WHAT)
+            else:  # AITER's CK kernel: compiled into its extension, no code object to launch
+                native.warn_fallback(f"{routing}; AITER runs its CK kernel there, which only the "
+                                     "bridge reaches", native_fmha.FALLBACK_WHAT + " (CK)")
+        return bridge.flash_attn_varlen(q, k, v, cu_q, cu_k, **kw)
+
+    @staticmethod
     def _gluon_decode(q, kv_cache, md, plan, sched, *, scale, kv_scale):
         """The small-head Gluon routes: on ROCm the installed AITER's two kernels launched by
         jax_mla (``gluon_kernels.py``: the FFI launcher) when they are there and match the
@@ -254,9 +284,9 @@ class AiterBackend(Backend):
             return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype)), None
         q, k, v = dequantize_qkv(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                  dtype=jnp.bfloat16)
-        out, lse = bridge.flash_attn_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen,
-                                            max_seqlen_k=max_seqlen_k, scale=scale,
-                                            causal=causal, return_lse=return_lse)
+        out, lse = self._flash_attn_varlen(q, k, v, cu_q, cu_k, target=target, arch=arch,
+                                           max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen_k,
+                                           scale=scale, causal=causal, return_lse=return_lse)
         out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
         if lse is not None:
             lse = jnp.where(live[:, None], lse.T, -jnp.inf)  # FA's [H, T] -> jax_mla's [T, H]

@@ -137,28 +137,33 @@ def kernel_table(arch: str, base: str | None = None) -> KernelTable:
 
 
 @functools.cache
-def _read_table(path: str) -> KernelTable:
+def _read_table(path: str, columns: tuple = CSV_COLUMNS, optional: tuple = CSV_OPTIONAL,
+                ints: tuple = ("Gqa", "ps", "qSeqLen", "prefill", "causal", "lse"),
+                what: str = "asm MLA kernel table") -> KernelTable:
+    """A kernel table (``mla_asm.csv`` by default; native_fmha.py reads ``fmha_fwd.csv`` with
+    its own ``columns`` and integer columns ``ints``), refused unless it has the pinned form."""
     if not os.path.isfile(path):
-        raise AiterInstallError(f"AITER's asm MLA kernel table {path} does not exist")
+        raise AiterInstallError(f"AITER's {what} {path} does not exist")
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         cols = tuple(c.strip() for c in reader.fieldnames or ())
         rows = tuple({k.strip(): (v or "").strip() for k, v in r.items() if k} for r in reader)
-    missing = [c for c in CSV_COLUMNS if c not in cols]
-    extra = [c for c in cols if c not in CSV_COLUMNS + CSV_OPTIONAL]
+    missing = [c for c in columns if c not in cols]
+    extra = [c for c in cols if c not in columns + optional]
     if missing or extra:
         raise AiterInstallError(
             f"AITER's kernel table {path} is not the one jax_mla reads (ROCm/aiter "
             f"{AITER_COMMIT[:8]}): columns {list(cols)}"
             + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else "")
-            + ". Install an AITER whose mla_asm.csv matches, or use the Python bridge")
+            + f". Install an AITER whose {os.path.basename(path)} matches, or use the Python "
+            "bridge")
     for i, r in enumerate(rows, start=2):
         # The length in the mangled name is not checked: AITER's own table has a symbol whose
         # length disagrees (gfx942 mla_a8w8_qh8_qseqlen1_gqaratio8_v1); the code-object check
         # (check_code_object) is what verifies the symbol.
         bad = _MANGLED.fullmatch(r["knl_name"]) is None or not r["co_name"].endswith(".co")
         try:
-            for c in ("Gqa", "ps", "qSeqLen", "prefill", "causal", "lse"):
+            for c in ints:
                 int(r[c] or 0)
         except ValueError:
             bad = True
