@@ -133,8 +133,56 @@ def thunk_summary(dump_dir: str, module: str = "jit_many") -> dict:
             "thunk_text_head": text[:1500]}
 
 
+CHAIN_LENGTHS = (1, 4, 16, 64, 128)
+
+
+def chain_lengths(spec: str, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
+    """Where a chained call's wall time goes, per chain length ``n`` (one program of ``n``
+    dependent calls, as the stream timer builds it): wall per call (dispatch to sync, median of
+    ``reps``), host time to enqueue the program (the call's return, before the sync) per call,
+    and, under CUPTI, the GPU span and launches per call. Wall near the enqueue time means the
+    host bounds the chain; wall near the span means the GPU does."""
+    import statistics
+    import time
+
+    import jax
+    import numpy as np
+
+    from jax_mla.bench import profile
+    from jax_mla.bench.decode import Shape, attention_call
+    from jax_mla.bench.timing import chained
+
+    fn, args = attention_call(Shape.parse(spec), np.random.default_rng(0))
+    rows = []
+    for n in ns:
+        many = chained(fn, n)
+        jax.block_until_ready(many(*args))
+        walls, enqueues = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = many(*args)
+            t1 = time.perf_counter()
+            jax.block_until_ready(out)
+            walls.append(time.perf_counter() - t0)
+            enqueues.append(t1 - t0)
+        row = {"shape": spec, "n": n, "wall_us": statistics.median(walls) / n * 1e6,
+               "enqueue_us": statistics.median(enqueues) / n * 1e6}
+        if profile.available():
+            gaps = profile.chain_gaps(fn, *args, n=n)
+            row.update(span_us=gaps["span_us"], launches=gaps["launches"])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--chains":
+        out_path, specs = argv[1], argv[2:] or ["1,16,1024", "32,16,4096"]
+        rows = [r for spec in specs for r in chain_lengths(spec)]
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+        return 0
     out_path, specs = argv[0], argv[1:] or list(SHAPES)
     flags = os.environ.get("XLA_FLAGS", "")
     dump = re.search(r"--xla_dump_to=(\S+)", flags)

@@ -23,7 +23,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   in sanitized shards side by side;
 - ``graphs``: the command buffers XLA forms around our launches (:data:`GRAPH_SHAPES`);
   ``cmdbuf``: whether XLA captures them, read from its thunk dump and log, and the stream time
-  with command buffers on, off and at any size (``jax_mla.bench.cmdbuf``);
+  with command buffers on, off and at any size (``jax_mla.bench.cmdbuf``); ``cmdbuf_chains``:
+  wall, host enqueue and GPU span per call against the chain's length;
 - ``planner``: a step's metadata on the GPU, and the planning kernel's knobs
   (``python -m jax_mla.bench.planner``);
 - ``launcher_tests``: the FFI launcher (``docs/launcher.md``): builds its library if this
@@ -501,6 +502,13 @@ def stage_cmdbuf(_):
             + ("\n  " + "\n  ".join(tail) if rc else ""))
     with open(os.path.join(OUT, "cmdbuf.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def stage_cmdbuf_chains(_):
+    """Wall, host enqueue and GPU span per call against the chain's length
+    (``python -m jax_mla.bench.cmdbuf --chains``) to ``cmdbuf_chains.json``."""
+    _python(["-m", "jax_mla.bench.cmdbuf", "--chains", os.path.join(OUT, "cmdbuf_chains.json")],
+            240, "cmdbuf_chains", JAX_MLA_FFI_LIBRARY=_ffi_library())
 
 
 def stage_memcheck_conformance(_):
