@@ -154,7 +154,7 @@ def chain_lengths(spec: str, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
 
     fn, args = attention_call(Shape.parse(spec), np.random.default_rng(0))
     rows = []
-    for n in ns:
+    for n in ns:  # every wall time before CUPTI is loaded: its callbacks slow the host
         many = chained(fn, n)
         jax.block_until_ready(many(*args))
         walls, enqueues = [], []
@@ -165,12 +165,14 @@ def chain_lengths(spec: str, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
             jax.block_until_ready(out)
             walls.append(time.perf_counter() - t0)
             enqueues.append(t1 - t0)
-        row = {"shape": spec, "n": n, "wall_us": statistics.median(walls) / n * 1e6,
-               "enqueue_us": statistics.median(enqueues) / n * 1e6}
+        rows.append({"shape": spec, "n": n, "ffi_command_buffers": os.environ.get(
+                         "JAX_MLA_FFI_COMMAND_BUFFERS", "1") != "0",
+                     "wall_us": statistics.median(walls) / n * 1e6,
+                     "enqueue_us": statistics.median(enqueues) / n * 1e6})
+    for row in rows:
         if profile.available():
-            gaps = profile.chain_gaps(fn, *args, n=n)
+            gaps = profile.chain_gaps(fn, *args, n=row["n"])
             row.update(span_us=gaps["span_us"], launches=gaps["launches"])
-        rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 

@@ -506,9 +506,12 @@ def stage_cmdbuf(_):
 
 def stage_cmdbuf_chains(_):
     """Wall, host enqueue and GPU span per call against the chain's length
-    (``python -m jax_mla.bench.cmdbuf --chains``) to ``cmdbuf_chains.json``."""
-    _python(["-m", "jax_mla.bench.cmdbuf", "--chains", os.path.join(OUT, "cmdbuf_chains.json")],
-            240, "cmdbuf_chains", JAX_MLA_FFI_LIBRARY=_ffi_library())
+    (``python -m jax_mla.bench.cmdbuf --chains``), with our launches in XLA's command buffers
+    and outside them (``JAX_MLA_FFI_COMMAND_BUFFERS=0``), to ``cmdbuf_chains_<on|off>.json``."""
+    for name, flag in (("on", "1"), ("off", "0")):
+        _python(["-m", "jax_mla.bench.cmdbuf", "--chains",
+                 os.path.join(OUT, f"cmdbuf_chains_{name}.json")], 150, f"cmdbuf_chains {name}",
+                JAX_MLA_FFI_LIBRARY=_ffi_library(), JAX_MLA_FFI_COMMAND_BUFFERS=flag)
 
 
 def stage_memcheck_conformance(_):

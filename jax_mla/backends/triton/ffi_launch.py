@@ -99,11 +99,17 @@ def _capsule(symbol: str):
 def command_buffer_traits():
     """The registration traits that let XLA capture our launches in command buffers (CUDA
     graphs). XLA reads a handler's traits from its registration, not from the handler: without
-    them it never puts the call in a command buffer, whatever the C++ side declares."""
+    them it never puts the call in a command buffer, whatever the C++ side declares.
+    ``JAX_MLA_FFI_COMMAND_BUFFERS=0`` registers them without (XLA then launches each call on
+    its own, between command buffers of the rest: a measurement knob)."""
     try:
         from jaxlib import xla_client
     except ImportError:  # the module jax.ffi itself registers through
         from jax._src.lib import xla_client
+    from jax_mla import env
+
+    if not env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True):
+        return xla_client.CustomCallTargetTraits.DEFAULT
     return xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
 
 
