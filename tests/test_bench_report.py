@@ -46,3 +46,31 @@ def test_ab_and_command_buffer_sections(tmp_path):
 
 def test_empty_folder_has_no_sections(tmp_path):
     assert "## " not in report.report(str(tmp_path))
+
+
+def test_chain_length_section(tmp_path):
+    """``cmdbuf_chains_on.json`` and ``_off.json`` (and the older ``cmdbuf_chains.json``,
+    whose rows do not say where our calls ran) give one table, wall minus span per row."""
+    rng = np.random.default_rng()
+
+    def row(n, inside=None):
+        r = {"shape": "1,16,1024", "n": n, "wall_us": float(rng.uniform(20, 40)),
+             "enqueue_us": float(rng.uniform(5, 20)), "span_us": float(rng.uniform(10, 15))}
+        if inside is not None:
+            r["ffi_command_buffers"] = inside
+        return r
+
+    files = {"cmdbuf_chains.json": [row(4)], "cmdbuf_chains_on.json": [row(16, True)],
+             "cmdbuf_chains_off.json": [row(128, False), {**row(1, False), "span_us": None}]}
+    for name, rows in files.items():
+        (tmp_path / name).write_text(json.dumps(rows))
+    text = report.report(str(tmp_path))
+    assert text.count("## Where a chained call's wall time goes") == 1
+    for rows in files.values():
+        for r in rows:
+            inside = {None: "-", True: "yes", False: "no"}[r.get("ffi_command_buffers")]
+            span = r["span_us"]
+            tail = (f"{span:.1f} | {r['wall_us'] - span:.1f} |" if span is not None
+                    else "- | - |")
+            assert (f"| {r['shape']} | {inside} | {r['n']} | {r['wall_us']:.1f} | "
+                    f"{r['enqueue_us']:.1f} | {tail}") in text, r

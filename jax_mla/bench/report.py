@@ -6,7 +6,8 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 ``decode.json`` (the grid, both timers), ``decode_before.json`` (the same grid run in the same
 session on an earlier tree, for a before/after table), ``kernels.json`` and ``kernels_before.json``
 (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``, ``aiter_bridge.json``, ``ab.json``,
-``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_pdl.json``, ``cmdbuf.json``, ``launcher_ab.json``,
+``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_pdl.json``, ``cmdbuf.json``,
+``cmdbuf_chains*.json``, ``launcher_ab.json``,
 ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json`` (the GPU test
 summary), and ``tried.md`` (what was measured and kept or dropped, in words), and writes
 ``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
@@ -166,6 +167,22 @@ def cmdbuf_table(rows) -> str:
     return "\n".join(out)
 
 
+def chains_table(rows) -> str:
+    """``cmdbuf_chains*.json`` (``python -m jax_mla.bench.cmdbuf --chains``): per shape and
+    chain length, wall and host enqueue time per call, and the GPU span per call (CUPTI), with
+    our launches in command buffers or outside them (``JAX_MLA_FFI_COMMAND_BUFFERS``)."""
+    out = ["| shape | our calls in command buffers | calls chained | wall µs a call | "
+           "enqueue µs a call | GPU span µs a call | wall - span |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        span = r.get("span_us")
+        inside = r.get("ffi_command_buffers")
+        out.append(f"| {r['shape']} | {'-' if inside is None else ('yes' if inside else 'no')} "
+                   f"| {r['n']} | {_f(r['wall_us'])} | {_f(r['enqueue_us'])} | {_f(span)} | "
+                   f"{_f(r['wall_us'] - span if span is not None else None)} |")
+    return "\n".join(out)
+
+
 def launcher_table(rows) -> str:
     """The launcher A/B (``launcher_ab.json``): both timers, stream over GPU time, metadata,
     command buffers, and FlashMLA beside where it ran."""
@@ -265,6 +282,11 @@ def report(folder: str) -> str:
     if cb:
         parts += ["## Command buffers around the chain (one process per XLA flag set)", "",
                   cmdbuf_table(cb), ""]
+    chains = [r for f in ("cmdbuf_chains.json", "cmdbuf_chains_on.json",
+                          "cmdbuf_chains_off.json") for r in (_load(folder, f) or [])]
+    if chains:
+        parts += ["## Where a chained call's wall time goes, by chain length", "",
+                  chains_table(chains), ""]
     pre = _load(folder, "prefill.json")
     if pre:
         parts += ["## Prefill", "", prefill_table(pre), ""]
