@@ -60,7 +60,9 @@ def test_chain_length_section(tmp_path):
             r["ffi_command_buffers"] = inside
         return r
 
-    files = {"cmdbuf_chains.json": [row(4)], "cmdbuf_chains_on.json": [row(16, True)],
+    traced = {**row(64, True), "host_events_us": {"CommandBufferThunk::ExecuteOnStream":
+                                                  float(rng.uniform(1, 9)), "cuLaunch": 0.5}}
+    files = {"cmdbuf_chains.json": [row(4)], "cmdbuf_chains_on.json": [row(16, True), traced],
              "cmdbuf_chains_off.json": [row(128, False), {**row(1, False), "span_us": None}]}
     for name, rows in files.items():
         (tmp_path / name).write_text(json.dumps(rows))
@@ -74,3 +76,6 @@ def test_chain_length_section(tmp_path):
                     else "- | - |")
             assert (f"| {r['shape']} | {inside} | {r['n']} | {r['wall_us']:.1f} | "
                     f"{r['enqueue_us']:.1f} | {tail}") in text, r
+    assert text.count("### The host's time a chained call") == 1
+    for name, us in traced["host_events_us"].items():
+        assert f"| 1,16,1024 | yes | 64 | `{name}` | {us:.2f} |" in text

@@ -177,11 +177,57 @@ def chain_lengths(spec: str, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
     return rows
 
 
+def host_events(fn, args, n: int, executions: int = 3, top: int = 30) -> dict:
+    """The host's own time per chained call by event name, from a ``jax.profiler`` trace of
+    ``executions`` runs of a chain of ``n`` calls: XLA's and PJRT's annotations (command-buffer
+    thunks executed, recorded or updated, stream captures, launches) summed over the host
+    planes, divided by ``executions * n``, the ``top`` largest in microseconds. The trace runs
+    CUPTI on a GPU, which slows each driver call: compare names, not absolute times."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    from jax_mla.bench.timing import chained
+
+    many = chained(fn, n)
+    jax.block_until_ready(many(*args))
+    with tempfile.TemporaryDirectory(prefix="jax_mla_trace_") as d:
+        with jax.profiler.trace(d):
+            for _ in range(executions):
+                jax.block_until_ready(many(*args))
+        [path] = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        data = ProfileData.from_file(path)
+        total: dict[str, float] = {}
+        for plane in data.planes:
+            if not plane.name.startswith("/host"):
+                continue
+            for line in plane.lines:
+                for ev in line.events:
+                    total[ev.name] = total.get(ev.name, 0.0) + ev.duration_ns
+    per = {k: v / 1e3 / (executions * n) for k, v in total.items()}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--chains":
         out_path, specs = argv[1], argv[2:] or ["1,16,1024", "32,16,4096"]
         rows = [r for spec in specs for r in chain_lengths(spec)]
+        import numpy as np
+
+        from jax_mla.bench.decode import Shape, attention_call
+
+        for spec in specs:  # last: the trace loads CUPTI
+            fn, args = attention_call(Shape.parse(spec), np.random.default_rng(0))
+            longest = max(r["n"] for r in rows if r["shape"] == spec)
+            events = host_events(fn, args, longest)
+            for r in rows:
+                if r["shape"] == spec and r["n"] == longest:
+                    r["host_events_us"] = events
+            print(json.dumps({"shape": spec, "n": longest, "host_events_us": events}),
+                  flush=True)
         with open(out_path, "w") as f:
             json.dump(rows, f, indent=1)
         return 0

@@ -183,6 +183,19 @@ def chains_table(rows) -> str:
     return "\n".join(out)
 
 
+def host_events_table(rows, top: int = 12) -> str:
+    """The host's time per chained call by event name (``host_events_us`` of the longest chain
+    of each shape and launch mode; a profiler trace, CUPTI on: names compare, not totals)."""
+    out = ["| shape | our calls in command buffers | calls chained | host event | µs a call |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        inside = r.get("ffi_command_buffers")
+        where = "-" if inside is None else ("yes" if inside else "no")
+        for name, us in list(r["host_events_us"].items())[:top]:
+            out.append(f"| {r['shape']} | {where} | {r['n']} | `{name}` | {us:.2f} |")
+    return "\n".join(out)
+
+
 def launcher_table(rows) -> str:
     """The launcher A/B (``launcher_ab.json``): both timers, stream over GPU time, metadata,
     command buffers, and FlashMLA beside where it ran."""
@@ -287,6 +300,10 @@ def report(folder: str) -> str:
     if chains:
         parts += ["## Where a chained call's wall time goes, by chain length", "",
                   chains_table(chains), ""]
+        traced = [r for r in chains if r.get("host_events_us")]
+        if traced:
+            parts += ["### The host's time a chained call, by profiler event", "",
+                      host_events_table(traced), ""]
     pre = _load(folder, "prefill.json")
     if pre:
         parts += ["## Prefill", "", prefill_table(pre), ""]

@@ -505,9 +505,10 @@ def stage_cmdbuf(_):
 
 
 def stage_cmdbuf_chains(_):
-    """Wall, host enqueue and GPU span per call against the chain's length
-    (``python -m jax_mla.bench.cmdbuf --chains``), with our launches in XLA's command buffers
-    and outside them (``JAX_MLA_FFI_COMMAND_BUFFERS=0``), to ``cmdbuf_chains_<on|off>.json``."""
+    """Wall, host enqueue and GPU span per call against the chain's length, and the host's
+    time by profiler event for the longest chain (``python -m jax_mla.bench.cmdbuf --chains``),
+    with our launches in XLA's command buffers and outside them
+    (``JAX_MLA_FFI_COMMAND_BUFFERS=0``), to ``cmdbuf_chains_<on|off>.json``."""
     for name, flag in (("on", "1"), ("off", "0")):
         _python(["-m", "jax_mla.bench.cmdbuf", "--chains",
                  os.path.join(OUT, f"cmdbuf_chains_{name}.json")], 150, f"cmdbuf_chains {name}",
