@@ -467,11 +467,16 @@ auto BindBuffers(Binding binding) {
 }
 
 template <typename Binding>
-auto BindAttrs(Binding binding) {
-  return std::move(binding)
+auto BindKernelAttrs(Binding&& binding) {  // every handler's first three attributes
+  return std::forward<Binding>(binding)
       .template Attr<std::string_view>("co_path")
       .template Attr<std::string_view>("kernel_name")
-      .template Attr<float>("softmax_scale")
+      .template Attr<float>("softmax_scale");
+}
+
+template <typename Binding>
+auto BindAttrs(Binding binding) {
+  return BindKernelAttrs(std::move(binding))
       .template Attr<int32_t>("max_seqlen_q")
       .template Attr<int32_t>("page_size")
       .template Attr<int32_t>("s_mqa")
@@ -481,17 +486,63 @@ auto BindAttrs(Binding binding) {
       .template Attr<int32_t>("cp_rank");
 }
 
-// Initialize stage of both handlers: the code object loaded (and cached) for this device.
+// Initialize stage of every handler: the code object loaded (and cached) for this device.
 ffi::Error LoadOnce(int32_t device, std::string_view co_path, std::string_view kernel_name) {
   auto function = GetFunction(device, co_path, kernel_name);
   return function.has_error() ? function.error() : ffi::Error::Success();
 }
 
+// Execute stage of every handler, after packing: one launch of `kernel_name` (loaded at
+// initialize) on XLA's stream with its argument block passed whole
+// (HIP_LAUNCH_PARAM_BUFFER_POINTER, HIP_LAUNCH_PARAM_BUFFER_SIZE, HIP_LAUNCH_PARAM_END);
+// nothing for an empty grid.
+ffi::Error LaunchBlock(int32_t device, void* stream, std::string_view co_path,
+                       std::string_view kernel_name, void* args, size_t arg_size,
+                       const uint32_t (&grid)[3], uint32_t block_threads) {
+  auto function = GetFunction(device, co_path, kernel_name);  // cached at initialize
+  if (function.has_error()) return function.error();
+  if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) return ffi::Error::Success();
+  const Hip& hip = GetHip();
+  void* config[] = {reinterpret_cast<void*>(0x01), args, reinterpret_cast<void*>(0x02),
+                    &arg_size, reinterpret_cast<void*>(0x03)};
+  if (HipResult r = hip.launch_kernel(*function, grid[0], grid[1], grid[2], block_threads, 1, 1,
+                                      0, stream, nullptr, config);
+      r != 0) {
+    return ffi::Error::Internal("jax_mla: launching AITER's " + std::string(kernel_name) +
+                                " from " + std::string(co_path) + " failed (" +
+                                hip.Describe(r) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+// The CPU twins' result: the argument block's bytes, then grid xyz and block xyz (uint32).
+ffi::Error WritePacked(ffi::AnyBuffer& out, std::string_view handler, const void* args,
+                       size_t arg_size, const uint32_t (&grid)[3], uint32_t block_threads) {
+  const size_t bytes = arg_size + 6 * sizeof(uint32_t);
+  if (out.size_bytes() != bytes) {
+    return ffi::Error::InvalidArgument(std::string(handler) +
+                                       ": the packing result must be uint8[" +
+                                       std::to_string(bytes) + "]");
+  }
+  auto* dst = static_cast<uint8_t*>(out.untyped_data());
+  std::memcpy(dst, args, arg_size);
+  const uint32_t launch[6] = {grid[0], grid[1], grid[2], block_threads, 1, 1};
+  std::memcpy(dst + arg_size, launch, sizeof(launch));
+  return ffi::Error::Success();
+}
+
+// The execution context every ROCm handler binds first: XLA's stream and the device ordinal.
+// By reference: an empty ffi::Binding cannot be moved into a parameter (private constructor).
+template <typename Binding>
+auto BindStreamAndDevice(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Ctx<ffi::PlatformStream<void*>>()
+      .template Ctx<ffi::DeviceOrdinal>();
+}
+
 template <typename Binding>
 auto BindGpu(Binding binding) {
-  return BindAttrs(BindBuffers(std::move(binding)
-                                   .template Ctx<ffi::PlatformStream<void*>>()
-                                   .template Ctx<ffi::DeviceOrdinal>()));
+  return BindAttrs(BindBuffers(BindStreamAndDevice(std::move(binding))));
 }
 
 ffi::Error InitializeStage(void*, int32_t device, JAX_MLA_AITER_BUFFER_PARAMS,
@@ -503,8 +554,6 @@ ffi::Error ExecuteStage(void* stream, int32_t device, JAX_MLA_AITER_BUFFER_PARAM
                         JAX_MLA_AITER_ATTR_PARAMS) {
   auto packed = Pack(JAX_MLA_AITER_BUFFER_ARGS, JAX_MLA_AITER_ATTRS);
   if (packed.has_error()) return packed.error();
-  auto function = GetFunction(device, co_path, kernel_name);  // cached at initialize
-  if (function.has_error()) return function.error();
   const Hip& hip = GetHip();
   Packed& p = *packed;
   if (p.work_meta != nullptr) {
@@ -522,19 +571,8 @@ ffi::Error ExecuteStage(void* stream, int32_t device, JAX_MLA_AITER_BUFFER_PARAM
       }
     }
   }
-  if (p.grid[0] == 0 || p.grid[1] == 0 || p.grid[2] == 0) return ffi::Error::Success();
-  size_t arg_size = sizeof(MlaAsmKernelArgs);
-  // HIP_LAUNCH_PARAM_BUFFER_POINTER, HIP_LAUNCH_PARAM_BUFFER_SIZE, HIP_LAUNCH_PARAM_END.
-  void* config[] = {reinterpret_cast<void*>(0x01), &p.args, reinterpret_cast<void*>(0x02),
-                    &arg_size, reinterpret_cast<void*>(0x03)};
-  if (HipResult r = hip.launch_kernel(*function, p.grid[0], p.grid[1], p.grid[2], kBlockThreads,
-                                      1, 1, 0, stream, nullptr, config);
-      r != 0) {
-    return ffi::Error::Internal("jax_mla: launching AITER's " + std::string(kernel_name) +
-                                " from " + std::string(co_path) + " failed (" +
-                                hip.Describe(r) + ")");
-  }
-  return ffi::Error::Success();
+  return LaunchBlock(device, stream, co_path, kernel_name, &p.args, sizeof(p.args), p.grid,
+                     kBlockThreads);
 }
 
 // The CPU twin: the same decoding and packing, then the argument block's bytes followed by
@@ -546,16 +584,12 @@ ffi::Error PackStage(JAX_MLA_AITER_BUFFER_PARAMS, ffi::Result<ffi::AnyBuffer> pa
                      JAX_MLA_AITER_ATTR_PARAMS) {
   auto packed = Pack(JAX_MLA_AITER_BUFFER_ARGS, JAX_MLA_AITER_ATTRS);
   if (packed.has_error()) return packed.error();
-  if (packed_bytes->size_bytes() != kPackBytes) {
-    return Invalid("the packing result must be uint8[" + std::to_string(kPackBytes) + "]");
-  }
   const Packed& p = *packed;
-  if (p.work_meta != nullptr) std::memcpy(p.work_meta, p.work_meta_values, 16);
-  auto* dst = static_cast<uint8_t*>(packed_bytes->untyped_data());
-  std::memcpy(dst, &p.args, sizeof(p.args));
-  const uint32_t launch[6] = {p.grid[0], p.grid[1], p.grid[2], kBlockThreads, 1, 1};
-  std::memcpy(dst + sizeof(p.args), launch, sizeof(launch));
-  return ffi::Error::Success();
+  if (packed_bytes->size_bytes() == kPackBytes && p.work_meta != nullptr) {
+    std::memcpy(p.work_meta, p.work_meta_values, 16);
+  }
+  return WritePacked(*packed_bytes, "jax_mla_aiter_asm_mla", &p.args, sizeof(p.args), p.grid,
+                     kBlockThreads);
 }
 
 // ---- the fp8 PS prefill: `mla_prefill_ps_asm_fwd` ---------------------------------------------
@@ -750,17 +784,12 @@ auto BindPs(Binding binding) {
 
 template <typename Binding>
 auto BindPsAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<std::string_view>("co_path")
-      .template Attr<std::string_view>("kernel_name")
-      .template Attr<float>("softmax_scale");
+  return BindKernelAttrs(std::move(binding));
 }
 
 template <typename Binding>
 auto BindPsGpu(Binding binding) {
-  return BindPsAttrs(BindPs(std::move(binding)
-                                .template Ctx<ffi::PlatformStream<void*>>()
-                                .template Ctx<ffi::DeviceOrdinal>()));
+  return BindPsAttrs(BindPs(BindStreamAndDevice(std::move(binding))));
 }
 
 ffi::Error InitializePs(void*, int32_t device, JAX_MLA_AITER_PS_BUFFER_PARAMS,
@@ -772,39 +801,19 @@ ffi::Error ExecutePs(void* stream, int32_t device, JAX_MLA_AITER_PS_BUFFER_PARAM
                      JAX_MLA_AITER_PS_ATTR_PARAMS) {
   auto packed = PackPs(JAX_MLA_AITER_PS_BUFFER_ARGS, softmax_scale);
   if (packed.has_error()) return packed.error();
-  auto function = GetFunction(device, co_path, kernel_name);  // cached at initialize
-  if (function.has_error()) return function.error();
-  PsPacked& p = *packed;
-  if (p.grid == 0) return ffi::Error::Success();
-  const Hip& hip = GetHip();
-  size_t arg_size = sizeof(MlaPsPrefillKernelArgs);
-  void* config[] = {reinterpret_cast<void*>(0x01), &p.args, reinterpret_cast<void*>(0x02),
-                    &arg_size, reinterpret_cast<void*>(0x03)};
-  if (HipResult r = hip.launch_kernel(*function, p.grid, 1, 1, kPsBlockThreads, 1, 1, 0, stream,
-                                      nullptr, config);
-      r != 0) {
-    return ffi::Error::Internal("jax_mla: launching AITER's " + std::string(kernel_name) +
-                                " from " + std::string(co_path) + " failed (" +
-                                hip.Describe(r) + ")");
-  }
-  return ffi::Error::Success();
+  const uint32_t grid[3] = {packed->grid, 1, 1};
+  return LaunchBlock(device, stream, co_path, kernel_name, &packed->args, sizeof(packed->args),
+                     grid, kPsBlockThreads);
 }
 
 // The CPU twin: the argument block's bytes, then the grid and block (six uint32).
-constexpr size_t kPsPackBytes = sizeof(MlaPsPrefillKernelArgs) + 6 * sizeof(uint32_t);
-
 ffi::Error PackPsStage(JAX_MLA_AITER_PS_BUFFER_PARAMS, ffi::Result<ffi::AnyBuffer> packed_bytes,
                        JAX_MLA_AITER_PS_ATTR_PARAMS) {
   auto packed = PackPs(JAX_MLA_AITER_PS_BUFFER_ARGS, softmax_scale);
   if (packed.has_error()) return packed.error();
-  if (packed_bytes->size_bytes() != kPsPackBytes) {
-    return InvalidPs("the packing result must be uint8[" + std::to_string(kPsPackBytes) + "]");
-  }
-  auto* dst = static_cast<uint8_t*>(packed_bytes->untyped_data());
-  std::memcpy(dst, &packed->args, sizeof(packed->args));
-  const uint32_t launch[6] = {packed->grid, 1, 1, kPsBlockThreads, 1, 1};
-  std::memcpy(dst + sizeof(packed->args), launch, sizeof(launch));
-  return ffi::Error::Success();
+  const uint32_t grid[3] = {packed->grid, 1, 1};
+  return WritePacked(*packed_bytes, "jax_mla_aiter_asm_prefill_ps", &packed->args,
+                     sizeof(packed->args), grid, kPsBlockThreads);
 }
 
 
@@ -1060,10 +1069,7 @@ auto BindFmha(Binding binding) {
 
 template <typename Binding>
 auto BindFmhaAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<std::string_view>("co_path")
-      .template Attr<std::string_view>("kernel_name")
-      .template Attr<float>("softmax_scale")
+  return BindKernelAttrs(std::move(binding))
       .template Attr<int32_t>("ts_qo")
       .template Attr<int32_t>("tg_div")
       .template Attr<int32_t>("opt")
@@ -1072,9 +1078,7 @@ auto BindFmhaAttrs(Binding binding) {
 
 template <typename Binding>
 auto BindFmhaGpu(Binding binding) {
-  return BindFmhaAttrs(BindFmha(std::move(binding)
-                                    .template Ctx<ffi::PlatformStream<void*>>()
-                                    .template Ctx<ffi::DeviceOrdinal>()));
+  return BindFmhaAttrs(BindFmha(BindStreamAndDevice(std::move(binding))));
 }
 
 ffi::Error InitializeFmha(void*, int32_t device, JAX_MLA_AITER_FMHA_BUFFER_PARAMS,
@@ -1086,43 +1090,18 @@ ffi::Error ExecuteFmha(void* stream, int32_t device, JAX_MLA_AITER_FMHA_BUFFER_P
                        JAX_MLA_AITER_FMHA_ATTR_PARAMS) {
   auto packed = PackFmha(JAX_MLA_AITER_FMHA_BUFFER_ARGS, JAX_MLA_AITER_FMHA_ATTRS);
   if (packed.has_error()) return packed.error();
-  auto function = GetFunction(device, co_path, kernel_name);  // cached at initialize
-  if (function.has_error()) return function.error();
-  FmhaPacked& p = *packed;
-  if (p.grid[0] == 0 || p.grid[1] == 0 || p.grid[2] == 0) return ffi::Error::Success();
-  const Hip& hip = GetHip();
-  size_t arg_size = sizeof(MlaFmhaFwdKernelArgs);
-  void* config[] = {reinterpret_cast<void*>(0x01), &p.args, reinterpret_cast<void*>(0x02),
-                    &arg_size, reinterpret_cast<void*>(0x03)};
-  if (HipResult r = hip.launch_kernel(*function, p.grid[0], p.grid[1], p.grid[2],
-                                      static_cast<uint32_t>(block_threads), 1, 1, 0, stream,
-                                      nullptr, config);
-      r != 0) {
-    return ffi::Error::Internal("jax_mla: launching AITER's " + std::string(kernel_name) +
-                                " from " + std::string(co_path) + " failed (" +
-                                hip.Describe(r) + ")");
-  }
-  return ffi::Error::Success();
+  return LaunchBlock(device, stream, co_path, kernel_name, &packed->args, sizeof(packed->args),
+                     packed->grid, static_cast<uint32_t>(block_threads));
 }
 
 // The CPU twin: the argument block's bytes, then the grid and block (six uint32).
-constexpr size_t kFmhaPackBytes = sizeof(MlaFmhaFwdKernelArgs) + 6 * sizeof(uint32_t);
-
 ffi::Error PackFmhaStage(JAX_MLA_AITER_FMHA_BUFFER_PARAMS,
                          ffi::Result<ffi::AnyBuffer> packed_bytes,
                          JAX_MLA_AITER_FMHA_ATTR_PARAMS) {
   auto packed = PackFmha(JAX_MLA_AITER_FMHA_BUFFER_ARGS, JAX_MLA_AITER_FMHA_ATTRS);
   if (packed.has_error()) return packed.error();
-  if (packed_bytes->size_bytes() != kFmhaPackBytes) {
-    return InvalidFmha("the packing result must be uint8[" + std::to_string(kFmhaPackBytes) +
-                       "]");
-  }
-  auto* dst = static_cast<uint8_t*>(packed_bytes->untyped_data());
-  std::memcpy(dst, &packed->args, sizeof(packed->args));
-  const uint32_t launch[6] = {packed->grid[0], packed->grid[1], packed->grid[2],
-                              static_cast<uint32_t>(block_threads), 1, 1};
-  std::memcpy(dst + sizeof(packed->args), launch, sizeof(launch));
-  return ffi::Error::Success();
+  return WritePacked(*packed_bytes, "jax_mla_aiter_asm_fmha_fwd", &packed->args,
+                     sizeof(packed->args), packed->grid, static_cast<uint32_t>(block_threads));
 }
 
 }  // namespace

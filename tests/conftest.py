@@ -118,3 +118,20 @@ def make_case(rng, *, seq_lens, qlen, num_heads, page_size, kv_lora_rank=512, ro
     if scale is None:
         scale = 1.0 / np.sqrt(192.0)
     return Case(q, cache, block_table, seq_lens, qlen, page_size, kv_lora_rank, float(scale))
+
+
+@pytest.fixture
+def aiter_on_rocm(monkeypatch):
+    """The AITER stand-in as ``aiter`` (the backend needs it importable) with the warn-once
+    state of the native routes reset; nothing forced: the plans target ROCm."""
+    import jax
+
+    from jax_mla.backends.aiter import native
+
+    from aiter_standin.harness import forced_standins
+
+    monkeypatch.setattr(native, "_warned", set())
+    jax.clear_caches()  # the route is chosen at trace time: no trace from another test
+    with forced_standins() as enter:
+        enter(arch="gfx950", cu_num=8)
+        yield

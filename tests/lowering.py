@@ -43,6 +43,11 @@ def rocm_script(tmp_path, body: str) -> str:
             f"os.environ['JAX_PLATFORMS'] = 'cpu'\nTESTS = {tests!r}\n" + body)
 
 
+def custom_call_targets(text: str) -> list[str]:
+    """The targets of a lowered step's StableHLO custom calls, in order."""
+    return [m.group(1) for m in re.finditer(r"custom_call @(\w+)", text)]
+
+
 def one_typed_call(text: str, hlo: str, target: str) -> str:
     """Assert that the lowered step calls ``target`` once, as a typed FFI call, and no Python
     callback; return the StableHLO line of that call."""

@@ -38,7 +38,7 @@ from jax_mla.backends.triton import ffi_launch
 from jax_mla.problem import Target
 
 from aiter_standin.harness import forced_standins
-from lowering import one_typed_call
+from lowering import custom_call_targets, one_typed_call
 
 pytestmark = pytest.mark.skipif(native.library_error() is not None,
                                 reason=f"FFI library unavailable: {native.library_error()}")
@@ -360,10 +360,6 @@ def _lower_decode(heads=16, qlen=1, mtp=None, return_lse=False):
     return lowered.as_text(), lowered.compiler_ir("hlo").as_hlo_text()
 
 
-def _custom_calls(text):
-    return [m.group(1) for m in re.finditer(r"custom_call @(\w+)", text)]
-
-
 @pytest.mark.parametrize("heads,qlen,mtp,lse", [(16, 1, None, False), (128, 1, None, True),
                                                 (16, 2, 1, False)])
 def test_decode_lowers_to_the_native_call_with_no_python_callback(aiter_on_rocm, fake_aiter,
@@ -375,17 +371,6 @@ def test_decode_lowers_to_the_native_call_with_no_python_callback(aiter_on_rocm,
     assert str(fake_aiter) in line and 'kernel_name = "_ZN5aiter' in line
 
 
-@pytest.fixture
-def aiter_on_rocm(monkeypatch):
-    """The stand-in as ``aiter`` (the backend needs it importable) with the warn-once state
-    reset; nothing forced: the plans target ROCm."""
-    monkeypatch.setattr(native, "_warned", set())
-    jax.clear_caches()  # the route is chosen at trace time: no trace from another test
-    with forced_standins() as enter:
-        enter(arch="gfx950", cu_num=8)
-        yield
-
-
 def test_without_the_library_the_bridge_is_used_and_warned_once(aiter_on_rocm, fake_aiter,
                                                                 monkeypatch):
     monkeypatch.setattr(native, "library_error", lambda: "jax_mla's FFI library is not built")
@@ -394,7 +379,7 @@ def test_without_the_library_the_bridge_is_used_and_warned_once(aiter_on_rocm, f
         text2, _ = _lower_decode(heads=128)
     assert sum("Python bridge" in str(w.message) for w in rec) == 1
     for t in (text, text2):
-        calls = _custom_calls(t)
+        calls = custom_call_targets(t)
         assert native.TARGET_NAME not in calls and any("callback" in c for c in calls), calls
 
 
@@ -404,7 +389,7 @@ def test_a_code_object_of_another_layout_falls_back_with_the_reason(aiter_on_roc
                                 _aiter_args([("new_field", 0x170, 8)])}))
     with pytest.warns(RuntimeWarning, match="outside the argument block"):
         text, _ = _lower_decode()
-    assert native.TARGET_NAME not in _custom_calls(text)
+    assert native.TARGET_NAME not in custom_call_targets(text)
 
 
 def test_a_mismatching_install_falls_back_with_the_reason(aiter_on_rocm, tmp_path, monkeypatch):
@@ -412,7 +397,7 @@ def test_a_mismatching_install_falls_back_with_the_reason(aiter_on_rocm, tmp_pat
     monkeypatch.setenv("AITER_ASM_DIR", str(root))
     with pytest.warns(RuntimeWarning, match="is not the one jax_mla reads") as rec:
         text, _ = _lower_decode()
-    assert native.TARGET_NAME not in _custom_calls(text)
+    assert native.TARGET_NAME not in custom_call_targets(text)
     said = [str(w.message) for w in rec]
     assert any("Python bridge" in m and "is not the one jax_mla reads" in m for m in said), said
     # routing says it used the static table, not the unreadable installed one

@@ -34,7 +34,7 @@ from jax_mla.problem import Target
 
 import oracle
 from aiter_standin.harness import forced_standins
-from lowering import one_typed_call
+from lowering import custom_call_targets, one_typed_call
 
 pytestmark = pytest.mark.skipif(native_fmha.library_error() is not None,
                                 reason=f"FFI library: {native_fmha.library_error()}")
@@ -419,19 +419,6 @@ def _lower_prefill(arch="gfx950", return_lse=True, heads=16):
     return lowered.as_text(), lowered.compiler_ir("hlo").as_hlo_text()
 
 
-def _custom_calls(text):
-    return [m.group(1) for m in re.finditer(r"custom_call @(\w+)", text)]
-
-
-@pytest.fixture
-def aiter_on_rocm(monkeypatch):
-    monkeypatch.setattr(native, "_warned", set())
-    jax.clear_caches()
-    with forced_standins() as enter:
-        enter(arch="gfx950", cu_num=8)
-        yield
-
-
 @pytest.mark.parametrize("arch,return_lse,kernel", [
     ("gfx950", True, "_ZN5aiter38fmha_fwd_hd192_hd128_bf16_causal_groupE"),
     ("gfx950", False, "_ZN5aiter38fmha_fwd_hd192_hd128_bf16_causal_groupE"),
@@ -456,7 +443,7 @@ def test_without_the_handlers_the_bridge_is_used_and_said_once(aiter_on_rocm, fa
         texts = [_lower_prefill("gfx950")[0], _lower_prefill("gfx942", False)[0]]
     assert sum("Python bridge" in str(w.message) for w in rec) == 1
     for text in texts:
-        calls = _custom_calls(text)
+        calls = custom_call_targets(text)
         assert native_fmha.TARGET_NAME not in calls and any("callback" in c for c in calls)
 
 

@@ -15,7 +15,6 @@ kernel: that needs a gfx950.
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import jax
@@ -33,7 +32,7 @@ from jax_mla.problem import Target
 
 import oracle
 from aiter_standin.harness import forced_standins
-from lowering import one_typed_call
+from lowering import custom_call_targets, one_typed_call
 
 pytestmark = pytest.mark.skipif(native_prefill.library_error() is not None,
                                 reason=f"FFI library: {native_prefill.library_error()}")
@@ -226,19 +225,6 @@ def _lower_prefill(heads=16):
     return lowered.as_text(), lowered.compiler_ir("hlo").as_hlo_text()
 
 
-def _custom_calls(text):
-    return [m.group(1) for m in re.finditer(r"custom_call @(\w+)", text)]
-
-
-@pytest.fixture
-def aiter_on_rocm(monkeypatch):
-    monkeypatch.setattr(native, "_warned", set())
-    jax.clear_caches()
-    with forced_standins() as enter:
-        enter(arch="gfx950", cu_num=8)
-        yield
-
-
 @pytest.mark.parametrize("heads", [16, 12])
 def test_fp8_prefill_lowers_to_the_native_call_with_no_python_callback(aiter_on_rocm, fake_aiter,
                                                                         heads):
@@ -257,7 +243,7 @@ def test_without_the_handlers_the_bridge_is_used_and_said_once(aiter_on_rocm, fa
         texts = [_lower_prefill(16)[0], _lower_prefill(12)[0]]
     assert sum("Python bridge" in str(w.message) for w in rec) == 1
     for text in texts:
-        calls = _custom_calls(text)
+        calls = custom_call_targets(text)
         assert native_prefill.TARGET_NAME not in calls and any("callback" in c for c in calls)
 
 
