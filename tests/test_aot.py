@@ -113,7 +113,8 @@ def test_sm90_fp32_decode_fits():
     decode = [r for r in rows if r["kernel"] in ("decode", "verify")]
     assert {(r["config"]["BLOCK_M"], r["config"]["BLOCK_N"], r["config"]["num_stages"])
             for r in decode} == {(16, 16, 2)}
-    assert {r["occupancy"] for r in decode} == {3}  # the tile's ctas_per_sm
+    assert max(r["programs"] for r in decode) <= 2 * 132  # the tile's two programs an SM
+    assert min(r["occupancy"] for r in decode) >= 2
 
 
 @needs_cuda

@@ -18,7 +18,7 @@ Rules (measured figures behind them: ``benchmarks/results/h200/RESULTS.md``):
 - 17..32 rows fit neither MMA shape: on Hopper one 64-row wgmma tile, half of it padding;
   elsewhere two 16-row head blocks that share each KV tile through L2.
 - A float32 cache (the exact path) takes 16-row programs on every GPU. CUDA: 16-token KV tiles,
-  two stages, three programs an SM (:data:`CUDA_FP32_TILE`; the 64-row tile took 304 KiB of
+  two stages, two programs an SM (:data:`CUDA_FP32_TILE`; the 64-row tile took 304 KiB of
   shared memory). An fp8 cache's 16-row programs on CUDA take 16-token tiles at four stages,
   three programs an SM (:data:`CUDA_FP8_TILE`: the 32-token tile spilled in its conversion;
   three cut the decode kernel's time by 10 % on the H200).
@@ -62,9 +62,11 @@ GPU_TILES = {
 # programs an SM. The 16-bit tiles did not fit: 16 rows x 32 tokens x 3 stages took 182 KiB and
 # spilled ~4 KB; the 64-row tile took 304 KiB (more than the 227 KiB a block may have). Three
 # stages (109 KiB) spilled 8 bytes at Q = 3; 8 warps spilled 52-76 bytes at Q = 3. Chosen for
-# fitting, not speed: unmeasured on the H200.
+# fitting, not speed: unmeasured on the H200. Two programs an SM: under triton 3.6 (the GPU
+# image's) the tile takes 180-191 registers at 16 and 128 heads, ``Q = 1, 2, 4``, and three
+# would not all be resident (``python -m jax_mla.aot`` fails such a persistent grid).
 CUDA_FP32_MAX_ROWS = 16
-CUDA_FP32_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 3}
+CUDA_FP32_TILE = {"block_n": 16, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2}
 # fp8 caches on CUDA at 16 rows: 16-token KV tiles, 4 stages (the 16-bit tile's 32 tokens at 3
 # stages spilled 48-156 bytes at 255 registers under triton 3.9's ptxas, 12-16 under triton
 # 3.6's; the fp8 -> bf16 conversion of a 32-token tile is what overflows). Converted once where
