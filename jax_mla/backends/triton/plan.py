@@ -372,7 +372,8 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
     if (CUDA_FP8_64_POW2 and tuning.pow2_head_blocks and fp8 and target.platform == "cuda"
             and block_m == 64 and hb & (hb - 1)):
         # The CUDA fp8 64-row tile takes a power of two heads a block even where that needs
-        # more blocks (:data:`CUDA_FP8_64_POW2`); the rows stay above 32, so the tile stays.
+        # more blocks (:data:`CUDA_FP8_64_POW2`). The tile stays: a block's rows stay above
+        # 32 (the largest power of two <= HB is over HB / 2), or the tile was padded to 64.
         hb = 1 << (hb.bit_length() - 1)
         nhb = -(-num_heads // hb)
     common = dict(heads_per_block=hb, num_head_blocks=nhb, block_m=block_m,
