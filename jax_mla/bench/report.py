@@ -147,7 +147,7 @@ def ab_table(rows) -> str:
 # Same-run tuning A/Bs (``python -m jax_mla.bench.ab``), by file.
 AB_FILES = (("ab.json", "Tuning A/B (same run)"),
             ("ab_fp8.json", "fp8 caches: tiles, conversion and products (same run)"),
-            ("ab_fp8_verify.json", "fp8 verify: 64-row tiles against 16-row programs"),
+            ("ab_fp8_verify.json", "fp8 verify: head blocks and rows a program (same run)"),
             ("ab_pdl.json", "Programmatic dependent launch (same run)"))
 
 
