@@ -255,7 +255,7 @@ def test_rocm_tiles_and_limits():
     cuda = Target("cuda", "sm_90", 132)
     fp32 = kernel_config(128, 1, 64, cuda, tuning=tun, kv_dtype=jnp.float32)
     assert (fp32.block_m, fp32.block_n, fp32.num_warps, fp32.num_stages, fp32.ctas_per_sm,
-            fp32.sm90) == (16, 16, 4, 2, 3, False), fp32
+            fp32.sm90) == (16, 16, 4, 2, 2, False), fp32  # two resident under triton 3.6
     assert kernel_config(16, 2, 64, cuda, tuning=tun, kv_dtype=jnp.float32).block_m == 16
     fp8 = kernel_config(16, 1, 64, cuda, tuning=tun, kv_dtype=jnp.float8_e4m3fn)
     assert (fp8.block_m, fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.ctas_per_sm) == (
