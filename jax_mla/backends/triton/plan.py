@@ -127,17 +127,23 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pow2_heads_per_block(num_heads: int, hb: int, nhb: int) -> int:
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= ``n`` (``n >= 1``)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def pow2_heads_per_block(num_heads: int, hb: int, nhb: int, *, always: bool = False) -> int:
     """Heads a block when heads are split into ``nhb`` blocks of at most ``hb``: the largest
     power of two that still needs only ``nhb`` blocks, else ``hb``. Rows pack as
     ``t * HB + h``, so a power of two makes the kernel's ``m // HB`` and ``m % HB`` shifts;
     the 64-row fp8 verify tile at 16 heads, ``Q = 5..7`` (12, 10, 9 heads a block, 8 from
     here), spilled 284-664 bytes for that under triton 3.6. The block count, hence the KV
-    traffic and the grid, does not change."""
-    if nhb == 1:
+    traffic and the grid, does not change. ``always``: the power of two even where it needs
+    more blocks (the caller recounts them; :data:`CUDA_FP8_64_POW2`)."""
+    if nhb == 1 and not always:
         return hb
-    p2 = 1 << (hb.bit_length() - 1)
-    return p2 if -(-num_heads // p2) == nhb else hb
+    p2 = prev_pow2(hb)
+    return p2 if always or -(-num_heads // p2) == nhb else hb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,11 +376,10 @@ def kernel_config(num_heads: int, qlen: int, page_size: int, target, *, sm90: bo
         hb = pow2_heads_per_block(num_heads, hb, nhb)
     block_m = max(min_block_m, next_pow2(qlen * hb))
     if (CUDA_FP8_64_POW2 and tuning.pow2_head_blocks and fp8 and target.platform == "cuda"
-            and block_m == 64 and hb & (hb - 1)):
-        # The CUDA fp8 64-row tile takes a power of two heads a block even where that needs
-        # more blocks (:data:`CUDA_FP8_64_POW2`). The tile stays: a block's rows stay above
-        # 32 (the largest power of two <= HB is over HB / 2), or the tile was padded to 64.
-        hb = 1 << (hb.bit_length() - 1)
+            and block_m == 64):
+        # The tile stays: a block's rows stay above 32 (the largest power of two <= HB is
+        # over HB / 2), or the tile was padded to 64.
+        hb = pow2_heads_per_block(num_heads, hb, nhb, always=True)
         nhb = -(-num_heads // hb)
     common = dict(heads_per_block=hb, num_head_blocks=nhb, block_m=block_m,
                   l2_hints=tuning.l2_hints, pdl=pdl_enabled(target, tuning))

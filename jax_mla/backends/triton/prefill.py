@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jax_mla import env
 from jax_mla.backends.triton.launch import triton_call
+from jax_mla.backends.triton.plan import next_pow2, prev_pow2
 from jax_mla.paged import expand_indptr
 from jax_mla.problem import as_target
 
@@ -45,22 +46,14 @@ class PrefillTritonConfig:
                 raise ValueError(f"PrefillTritonConfig.{name} must be a positive int, got {v!r}")
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def head_dim_split(dqk: int, dv: int) -> tuple[int, int, int]:
     """``(D1, D2, BLOCK_DV)``: ``D1`` the largest power of two <= ``dqk``; ``D2`` the rest padded
     to a power of two (0 when none; at least 16 for ``tl.dot``); ``BLOCK_DV`` likewise for ``dv``.
     DeepSeek 192/128 -> (128, 64, 128): two unmasked dots, nope then rope, like MLA kernels."""
-    d1 = _pow2_floor(dqk)
+    d1 = prev_pow2(dqk)
     rest = dqk - d1
-    d2 = max(16, _pow2_ceil(rest)) if rest else 0
-    return d1, d2, max(16, _pow2_ceil(dv))
+    d2 = max(16, next_pow2(rest)) if rest else 0
+    return d1, d2, max(16, next_pow2(dv))
 
 
 # AMD Instinct, 16-bit types up to 192/128 (``python -m jax_mla.aot``, triton 3.9, compiles):
