@@ -136,12 +136,14 @@ def thunk_summary(dump_dir: str, module: str = "jit_many") -> dict:
 CHAIN_LENGTHS = (1, 4, 16, 64, 128)
 
 
-def chain_lengths(spec: str, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
-    """Where a chained call's wall time goes, per chain length ``n`` (one program of ``n``
-    dependent calls, as the stream timer builds it): wall per call (dispatch to sync, median of
-    ``reps``), host time to enqueue the program (the call's return, before the sync) per call,
-    and, under CUPTI, the GPU span and launches per call. Wall near the enqueue time means the
-    host bounds the chain; wall near the span means the GPU does."""
+def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
+    """Where a chained call's wall time goes, per shape of ``specs`` and chain length ``n`` (one
+    program of ``n`` dependent calls, as the stream timer builds it): wall per call (dispatch to
+    sync, median of ``reps``), host time to enqueue the program (the call's return, before the
+    sync) per call, and, under CUPTI, the GPU span and launches per call, with the host's time
+    by profiler event for each shape's longest chain (:func:`host_events`). Wall near the
+    enqueue time means the host bounds the chain; wall near the span means the GPU does. Every
+    wall time is taken before CUPTI loads: its callbacks slow the host."""
     import statistics
     import time
 
@@ -152,27 +154,32 @@ def chain_lengths(spec: str, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
     from jax_mla.bench.decode import Shape, attention_call
     from jax_mla.bench.timing import chained
 
-    fn, args = attention_call(Shape.parse(spec), np.random.default_rng(0))
+    calls = {spec: attention_call(Shape.parse(spec), np.random.default_rng(0)) for spec in specs}
+    inside = os.environ.get("JAX_MLA_FFI_COMMAND_BUFFERS", "1") != "0"
     rows = []
-    for n in ns:  # every wall time before CUPTI is loaded: its callbacks slow the host
-        many = chained(fn, n)
-        jax.block_until_ready(many(*args))
-        walls, enqueues = [], []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            out = many(*args)
-            t1 = time.perf_counter()
-            jax.block_until_ready(out)
-            walls.append(time.perf_counter() - t0)
-            enqueues.append(t1 - t0)
-        rows.append({"shape": spec, "n": n, "ffi_command_buffers": os.environ.get(
-                         "JAX_MLA_FFI_COMMAND_BUFFERS", "1") != "0",
-                     "wall_us": statistics.median(walls) / n * 1e6,
-                     "enqueue_us": statistics.median(enqueues) / n * 1e6})
-    for row in rows:
-        if profile.available():
+    for spec, (fn, args) in calls.items():
+        for n in ns:
+            many = chained(fn, n)
+            jax.block_until_ready(many(*args))
+            walls, enqueues = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                out = many(*args)
+                t1 = time.perf_counter()
+                jax.block_until_ready(out)
+                walls.append(time.perf_counter() - t0)
+                enqueues.append(t1 - t0)
+            rows.append({"shape": spec, "n": n, "ffi_command_buffers": inside,
+                         "wall_us": statistics.median(walls) / n * 1e6,
+                         "enqueue_us": statistics.median(enqueues) / n * 1e6})
+    if profile.available():
+        for row in rows:
+            fn, args = calls[row["shape"]]
             gaps = profile.chain_gaps(fn, *args, n=row["n"])
             row.update(span_us=gaps["span_us"], launches=gaps["launches"])
+            if row["n"] == max(ns):
+                row["host_events_us"] = host_events(fn, args, row["n"])
+    for row in rows:
         print(json.dumps(row), flush=True)
     return rows
 
@@ -214,20 +221,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--chains":
         out_path, specs = argv[1], argv[2:] or ["1,16,1024", "32,16,4096"]
-        rows = [r for spec in specs for r in chain_lengths(spec)]
-        import numpy as np
-
-        from jax_mla.bench.decode import Shape, attention_call
-
-        for spec in specs:  # last: the trace loads CUPTI
-            fn, args = attention_call(Shape.parse(spec), np.random.default_rng(0))
-            longest = max(r["n"] for r in rows if r["shape"] == spec)
-            events = host_events(fn, args, longest)
-            for r in rows:
-                if r["shape"] == spec and r["n"] == longest:
-                    r["host_events_us"] = events
-            print(json.dumps({"shape": spec, "n": longest, "host_events_us": events}),
-                  flush=True)
+        rows = chain_lengths(specs)
         with open(out_path, "w") as f:
             json.dump(rows, f, indent=1)
         return 0
