@@ -336,10 +336,6 @@ def stage_ab_fp8_h128(_):
             300, name, JAX_MLA_FFI_LIBRARY=_ffi_library())
 
 
-# fp8 verify at 16 heads, Q = 5-7: the 64-row tile's head blocks of 12, 10 and 9 heads spilled
-# 284-664 bytes even under triton 3.6 (``python -m jax_mla.aot``, 2026-12-05); blocks of 8 (the
-# default since: ``pow2_head_blocks``) and 16-row programs (``max_rows=16``) fit. Q = 4 (16
-# heads, one block) beside them.
 # The fp8 verify's head blocks: at 16 heads (timed on an H100, 2026-12-05: power-of-two blocks
 # as fast or faster; the old 10 + 6 and 9 + 7 off in the LSE) and where the power of two now
 # takes more blocks (32, 64, 128 heads; ``plan.CUDA_FP8_64_POW2``), against the old blocks.
