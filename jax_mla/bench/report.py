@@ -167,6 +167,12 @@ def cmdbuf_table(rows) -> str:
     return "\n".join(out)
 
 
+def _inside(row) -> str:
+    """Whether a chain row's launches ran in command buffers: yes, no, or - (not recorded)."""
+    inside = row.get("ffi_command_buffers")
+    return "-" if inside is None else ("yes" if inside else "no")
+
+
 def chains_table(rows) -> str:
     """``cmdbuf_chains*.json`` (``python -m jax_mla.bench.cmdbuf --chains``): per shape and
     chain length, wall and host enqueue time per call, and the GPU span per call (CUPTI), with
@@ -176,9 +182,8 @@ def chains_table(rows) -> str:
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         span = r.get("span_us")
-        inside = r.get("ffi_command_buffers")
-        out.append(f"| {r['shape']} | {'-' if inside is None else ('yes' if inside else 'no')} "
-                   f"| {r['n']} | {_f(r['wall_us'])} | {_f(r['enqueue_us'])} | {_f(span)} | "
+        out.append(f"| {r['shape']} | {_inside(r)} | {r['n']} | {_f(r['wall_us'])} | "
+                   f"{_f(r['enqueue_us'])} | {_f(span)} | "
                    f"{_f(r['wall_us'] - span if span is not None else None)} |")
     return "\n".join(out)
 
@@ -189,10 +194,8 @@ def host_events_table(rows, top: int = 12) -> str:
     out = ["| shape | our calls in command buffers | calls chained | host event | µs a call |",
            "|---|---|---|---|---|"]
     for r in rows:
-        inside = r.get("ffi_command_buffers")
-        where = "-" if inside is None else ("yes" if inside else "no")
         for name, us in list(r["host_events_us"].items())[:top]:
-            out.append(f"| {r['shape']} | {where} | {r['n']} | `{name}` | {us:.2f} |")
+            out.append(f"| {r['shape']} | {_inside(r)} | {r['n']} | `{name}` | {us:.2f} |")
     return "\n".join(out)
 
 
