@@ -126,14 +126,20 @@ class KernelTable:
         return os.path.dirname(self.path)
 
 
-def kernel_table(arch: str, base: str | None = None) -> KernelTable:
-    """The checked kernel table of ``arch`` under ``base`` (default :func:`asm_dir`)."""
+def hsa_base(base: str | None = None) -> str:
+    """``base``, else the installed AITER's ``hsa`` directory (:func:`asm_dir`); refused when
+    there is none."""
     base = base or asm_dir()
     if base is None:
         raise AiterInstallError(
             "jax_mla found no AITER asm kernels: set AITER_ASM_DIR to AITER's hsa/ directory, or "
             "install aiter (its aiter_meta/hsa)")
-    return _read_table(os.path.join(base, arch, "mla", "mla_asm.csv"))
+    return base
+
+
+def kernel_table(arch: str, base: str | None = None) -> KernelTable:
+    """The checked kernel table of ``arch`` under ``base`` (default :func:`asm_dir`)."""
+    return _read_table(os.path.join(hsa_base(base), arch, "mla", "mla_asm.csv"))
 
 
 @functools.cache

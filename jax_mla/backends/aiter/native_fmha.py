@@ -107,12 +107,8 @@ def register(platforms=("ROCM", "cpu")) -> None:
 
 def kernel_table(arch: str, base: str | None = None) -> native.KernelTable:
     """The checked ``fmha_fwd.csv`` of ``arch`` under ``base`` (default ``native.asm_dir()``)."""
-    base = base or native.asm_dir()
-    if base is None:
-        raise AiterInstallError(
-            "jax_mla found no AITER asm kernels: set AITER_ASM_DIR to AITER's hsa/ directory, or "
-            "install aiter (its aiter_meta/hsa)")
-    return native._read_table(os.path.join(base, arch, "fmha_v3_fwd", "fmha_fwd.csv"),
+    return native._read_table(os.path.join(native.hsa_base(base), arch, "fmha_v3_fwd",
+                                           "fmha_fwd.csv"),
                               CSV_COLUMNS, (), _CSV_INTS, "FlashAttention v3 kernel table")
 
 
