@@ -32,10 +32,17 @@ def test_fp8_write_stores_x_over_scale(rng, dtype):
     k_scale = 0.05
     out = jax_mla.write_kv_cache(cache, kv_c, k_pe, jnp.array([3, 0, 2]), k_scale=k_scale)
     assert out.dtype == jnp.dtype(dtype)
-    got = np.asarray(out.astype(jnp.float32)).reshape(4, 12)[[3, 0, 2]] * k_scale
+    stored = np.asarray(out.astype(jnp.float32)).reshape(4, 12)[[3, 0, 2]]
     want = np.concatenate([kv_c, k_pe], axis=1)
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert rel < (0.07 if dtype == "float8_e5m2" else 0.04)
+    # Exactly ml_dtypes' round-to-nearest of the float32 quotient x / k_scale ...
+    quotient = want.astype(np.float32) / np.float32(k_scale)
+    np.testing.assert_array_equal(stored, quotient.astype(jnp.dtype(dtype)).astype(np.float32))
+    # ... so each value is within half an ulp of x / k_scale (normal range: relative 2^-(m+1)).
+    finfo = jnp.finfo(dtype)
+    normal = np.abs(quotient) >= float(finfo.smallest_normal)
+    half_ulp = 2.0 ** -(finfo.nmant + 1)
+    err = np.abs(stored.astype(np.float64) - quotient) / np.abs(quotient)
+    assert normal.any() and np.all(err[normal] <= half_ulp), (err.max(), half_ulp)
 
 
 def test_write_errors():
