@@ -15,9 +15,14 @@
 // same table (and checks it against JaxMlaAiterAsmLayout) and refuses an AITER install whose
 // kernel table does not look like the one at that commit.
 //
-// Stages. initialize: load the `.co` named by the `co_path` attribute with hipModuleLoad and
-// look up `kernel_name` with hipModuleGetFunction, once per (device ordinal, path, kernel), so
-// no module is loaded while XLA captures a command buffer. execute: validate the buffers
+// Stages. execute (the only one registered by default): load the `.co` named by the `co_path`
+// attribute with hipModuleLoad and look up `kernel_name` with hipModuleGetFunction, once per
+// (device ordinal, path, kernel), with the thread's stream-capture mode relaxed
+// (hipThreadExchangeStreamCaptureMode: the first execution of a command buffer records the
+// launch by capturing XLA's stream, and a capture otherwise refuses a module load); later
+// executions find it without allocating. XLA would call an initialize stage for every call on
+// every execution of the program, so it is exported (same load) but registered only for the
+// A/B knob JAX_MLA_FFI_INITIALIZE_STAGE=1. Then execute validates the buffers
 // (shapes and dtypes only: nothing is read from the device), fill the argument block, in
 // persistent mode write the two work-metadata pointers into the `work_meta` result with four
 // hipMemsetD32Async on XLA's stream (the kernel reads work_indptr / work_info through them; the
@@ -37,6 +42,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -142,6 +148,7 @@ struct Hip {
   HipResult (*get_device)(int* ordinal) = nullptr;
   HipResult (*set_device)(int ordinal) = nullptr;
   const char* (*error_string)(HipResult) = nullptr;  // optional
+  HipResult (*exchange_capture_mode)(int* mode) = nullptr;  // optional
   std::string error;  // why the runtime cannot be used ("" when it can)
 
   std::string Describe(HipResult r) const {
@@ -180,6 +187,7 @@ const Hip& GetHip() {
     Load(lib, "hipGetDevice", &hip.get_device, &missing);
     Load(lib, "hipSetDevice", &hip.set_device, &missing);
     Load(lib, "hipGetErrorString", &hip.error_string, nullptr);
+    Load(lib, "hipThreadExchangeStreamCaptureMode", &hip.exchange_capture_mode, nullptr);
     if (!missing.empty()) hip.error = "jax_mla: the ROCm runtime (libamdhip64.so) lacks" + missing;
   });
   return hip;
@@ -204,17 +212,42 @@ class ScopedDevice {
   bool restore_ = false;
 };
 
+// The calling thread's stream-capture mode relaxed (hipStreamCaptureModeRelaxed, 2) for the
+// life of the object, then restored: a module load is not a stream operation, but a capture in
+// global or thread-local mode refuses it.
+class RelaxedCapture {
+ public:
+  explicit RelaxedCapture(const Hip& hip) : exchange_(hip.exchange_capture_mode) {
+    active_ = exchange_ != nullptr && exchange_(&mode_) == 0;
+  }
+  ~RelaxedCapture() {
+    if (active_) exchange_(&mode_);
+  }
+
+ private:
+  HipResult (*exchange_)(int* mode);
+  int mode_ = 2;
+  bool active_ = false;
+};
+
+// Functions by (device ordinal, code object path, kernel name); a hit allocates nothing (the
+// map's comparator takes the views).
+using FunctionKey = std::tuple<int32_t, std::string, std::string>;
+using FunctionView = std::tuple<int32_t, std::string_view, std::string_view>;
 std::mutex cache_mutex;
-std::map<std::tuple<int32_t, std::string, std::string>, void*> function_cache;
+std::map<FunctionKey, void*, std::less<>> function_cache;
 
 ffi::ErrorOr<void*> GetFunction(int32_t device, std::string_view co_path,
                                 std::string_view kernel_name) {
   const Hip& hip = GetHip();
   if (!hip.error.empty()) return ffi::Unexpected(ffi::Error::Internal(hip.error));
-  std::string path(co_path), name(kernel_name);
-  auto key = std::make_tuple(device, path, name);
   std::lock_guard<std::mutex> lock(cache_mutex);
-  if (auto it = function_cache.find(key); it != function_cache.end()) return it->second;
+  if (auto it = function_cache.find(FunctionView{device, co_path, kernel_name});
+      it != function_cache.end()) {
+    return it->second;
+  }
+  std::string path(co_path), name(kernel_name);
+  FunctionKey key{device, path, name};
   if (FILE* f = std::fopen(path.c_str(), "rb")) {
     std::fclose(f);
   } else {
@@ -222,6 +255,7 @@ ffi::ErrorOr<void*> GetFunction(int32_t device, std::string_view co_path,
         "jax_mla: AITER's asm MLA kernel file " + path + " (for " + name + ") cannot be read: "
         "the AITER install is incomplete or AITER_ASM_DIR points elsewhere"));
   }
+  RelaxedCapture relaxed(hip);
   ScopedDevice scoped(hip, device);
   void* module = nullptr;
   if (HipResult r = hip.module_load(&module, path.c_str()); r != 0) {
@@ -486,20 +520,21 @@ auto BindAttrs(Binding binding) {
       .template Attr<int32_t>("cp_rank");
 }
 
-// Initialize stage of every handler: the code object loaded (and cached) for this device.
+// Initialize stage of every handler (registered only for the A/B knob): the code object loaded
+// (and cached) for this device.
 ffi::Error LoadOnce(int32_t device, std::string_view co_path, std::string_view kernel_name) {
   auto function = GetFunction(device, co_path, kernel_name);
   return function.has_error() ? function.error() : ffi::Error::Success();
 }
 
-// Execute stage of every handler, after packing: one launch of `kernel_name` (loaded at
-// initialize) on XLA's stream with its argument block passed whole
+// Execute stage of every handler, after packing: one launch of `kernel_name` (loaded at the
+// first call) on XLA's stream with its argument block passed whole
 // (HIP_LAUNCH_PARAM_BUFFER_POINTER, HIP_LAUNCH_PARAM_BUFFER_SIZE, HIP_LAUNCH_PARAM_END);
 // nothing for an empty grid.
 ffi::Error LaunchBlock(int32_t device, void* stream, std::string_view co_path,
                        std::string_view kernel_name, void* args, size_t arg_size,
                        const uint32_t (&grid)[3], uint32_t block_threads) {
-  auto function = GetFunction(device, co_path, kernel_name);  // cached at initialize
+  auto function = GetFunction(device, co_path, kernel_name);  // loaded at the first call
   if (function.has_error()) return function.error();
   if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) return ffi::Error::Success();
   const Hip& hip = GetHip();

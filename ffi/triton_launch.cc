@@ -10,9 +10,21 @@
 //
 // The driver (libcuda / libamdhip64) is opened with dlopen on first use, so this library builds
 // with a plain C++ compiler and no CUDA or ROCm toolkit. A module is loaded once per device
-// (ordinal) and binary, in the initialize stage (before any command-buffer capture) or at the
-// first execution, and cached for the life of the process; execution only launches (nothing
-// for an empty grid), so the handlers are command-buffer (CUDA graph) compatible.
+// (ordinal) and binary, at the first execution, and cached for the life of the process; after
+// that execution only looks the function up (no allocation) and launches (nothing for an empty
+// grid), so the handlers are command-buffer (CUDA graph) compatible.
+//
+// Only the execute stage is registered by default. XLA calls a registered initialize stage for
+// every custom call on every execution of the program, command buffer or not (a call frame, an
+// execution-scoped state and the attribute decoding each time): host work per call that a
+// command buffer cannot hide, since XLA launches the graph only after every thunk is
+// initialized. The first execution of a command buffer records our launch by capturing XLA's
+// stream, so the module load may then happen inside a stream capture: it runs with the
+// thread's capture mode relaxed (cuThreadExchangeStreamCaptureMode), which lets the thread make
+// the calls a capture otherwise refuses, and the function is loaded eagerly (cuFuncLoad, where
+// the driver has it) so that no lazy load is left for the captured launch. The initialize
+// stage stays exported (``JaxMlaTritonInitialize*``) for the A/B knob
+// JAX_MLA_FFI_INITIALIZE_STAGE=1.
 
 #include <dlfcn.h>
 
@@ -20,11 +32,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <map>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -56,6 +68,11 @@ struct Driver {
   Result (*ctx_pop)(void** ctx) = nullptr;
   Result (*get_device)(int* ordinal) = nullptr;
   Result (*set_device)(int ordinal) = nullptr;
+  // Swapping the thread's stream-capture mode (CUDA 10.1+, ROCm 5+), so that a module load may
+  // run while XLA captures its stream; and loading a function now rather than at its first
+  // launch (CUDA 12.4+). Both optional.
+  Result (*exchange_capture_mode)(int* mode) = nullptr;
+  Result (*func_load)(void* function) = nullptr;
   // For error messages: what device an ordinal is (optional entry points).
   Result (*device_get)(int* device, int ordinal) = nullptr;
   Result (*device_get_attribute)(int* value, int attribute, int device) = nullptr;
@@ -102,6 +119,7 @@ const Driver& GetDriver(bool hip) {
       Load(lib, "hipSetDevice", &d.set_device, &missing);
       std::string optional;
       Load(lib, "hipDeviceGetName", &d.device_get_name, &optional);
+      Load(lib, "hipThreadExchangeStreamCaptureMode", &d.exchange_capture_mode, &optional);
     } else {
       Load(lib, "cuModuleLoadData", &d.module_load_data, &missing);
       Load(lib, "cuModuleGetFunction", &d.module_get_function, &missing);
@@ -114,6 +132,8 @@ const Driver& GetDriver(bool hip) {
       Load(lib, "cuLaunchKernelEx", &d.launch_kernel_ex, &optional);
       Load(lib, "cuDeviceGet", &d.device_get, &optional);
       Load(lib, "cuDeviceGetAttribute", &d.device_get_attribute, &optional);
+      Load(lib, "cuThreadExchangeStreamCaptureMode", &d.exchange_capture_mode, &optional);
+      Load(lib, "cuFuncLoad", &d.func_load, &optional);
     }
     if (!missing.empty()) d.error = "jax_mla: the " + std::string(d.vendor) +
                                     " driver lacks" + missing;
@@ -173,10 +193,44 @@ static_assert(offsetof(CuLaunchConfig, stream) == 32 && offsetof(CuLaunchConfig,
               "CUlaunchConfig's layout in cuda.h");
 constexpr int32_t kProgrammaticStreamSerialization = 6;
 
-// Functions by (device ordinal, binary hash, kernel name), loaded once into the device's
-// current context (XLA makes it current before it calls a handler).
+// Functions by (device ordinal, binary hash), then kernel name, loaded once into the device's
+// context. A hit allocates nothing (the name is compared as a view).
+struct FunctionKey {
+  int32_t device;
+  int64_t binary_hash;
+  bool operator==(const FunctionKey& o) const {
+    return device == o.device && binary_hash == o.binary_hash;
+  }
+};
+struct FunctionKeyHash {
+  size_t operator()(const FunctionKey& k) const {
+    return std::hash<int64_t>()(k.binary_hash) ^ (static_cast<size_t>(k.device) << 1);
+  }
+};
 std::mutex cache_mutex;
-std::map<std::tuple<int32_t, int64_t, std::string>, void*> function_cache;
+std::unordered_map<FunctionKey, std::vector<std::pair<std::string, void*>>, FunctionKeyHash>
+    function_cache;
+
+// CUstreamCaptureMode / hipStreamCaptureMode: RELAXED is 2 in both.
+constexpr int kCaptureModeRelaxed = 2;
+
+// The calling thread's stream-capture mode relaxed for the life of the object (then restored):
+// a module load is one of the calls a capture in global or thread-local mode refuses. It is not
+// a stream operation, so nothing of it enters the captured graph.
+class RelaxedCapture {
+ public:
+  explicit RelaxedCapture(const Driver& d) : exchange_(d.exchange_capture_mode) {
+    active_ = exchange_ != nullptr && exchange_(&mode_) == 0;
+  }
+  ~RelaxedCapture() {
+    if (active_) exchange_(&mode_);
+  }
+
+ private:
+  Result (*exchange_)(int* mode);
+  int mode_ = kCaptureModeRelaxed;
+  bool active_ = false;
+};
 
 // CUDA's attribute for more than 48 KiB of dynamic shared memory.
 constexpr int kMaxDynamicSharedBytes = 8;
@@ -208,9 +262,12 @@ class ScopedDevice {
 
 ffi::ErrorOr<void*> GetFunction(const Driver& d, void* stream, int32_t device, const Launch& l) {
   if (!d.error.empty()) return ffi::Unexpected(ffi::Error::Internal(d.error));
-  auto cache_key = std::make_tuple(device, l.binary_hash, std::string(l.name));
   std::lock_guard<std::mutex> lock(cache_mutex);
-  if (auto it = function_cache.find(cache_key); it != function_cache.end()) return it->second;
+  auto& loaded = function_cache[FunctionKey{device, l.binary_hash}];
+  for (const auto& [name, function] : loaded) {
+    if (name == l.name) return function;
+  }
+  RelaxedCapture relaxed(d);
   ScopedDevice scoped(d, stream, device);
   // The image must outlive the module load only; copy it (attribute storage is not ours).
   std::vector<uint8_t> image(l.binary.begin(), l.binary.end());
@@ -228,6 +285,12 @@ ffi::ErrorOr<void*> GetFunction(const Driver& d, void* stream, int32_t device, c
     return ffi::Unexpected(ffi::Error::Internal("jax_mla: kernel " + name + " is not in its module (" +
                                 d.Describe(r) + ")"));
   }
+  if (d.func_load != nullptr) {
+    if (Result r = d.func_load(function); r != 0) {
+      return ffi::Unexpected(ffi::Error::Internal("jax_mla: kernel " + name +
+                                                  " cannot be loaded (" + d.Describe(r) + ")"));
+    }
+  }
   if (d.func_set_attribute != nullptr && l.shared_bytes > 48 * 1024) {
     if (Result r = d.func_set_attribute(function, kMaxDynamicSharedBytes, l.shared_bytes);
         r != 0) {
@@ -236,7 +299,7 @@ ffi::ErrorOr<void*> GetFunction(const Driver& d, void* stream, int32_t device, c
                                   d.Describe(r) + ")"));
     }
   }
-  function_cache.emplace(cache_key, function);
+  loaded.emplace_back(std::move(name), function);
   return function;
 }
 
@@ -337,7 +400,8 @@ Launch MakeLaunch(JAX_MLA_LAUNCH_ATTR_PARAMS) {
   return Launch{name, binary, hash, {gx, gy, gz}, threads, shared, hidden, target, pdl};
 }
 
-// The two stages, for CUDA (kHip false) and ROCm (kHip true).
+// The two stages, for CUDA (kHip false) and ROCm (kHip true). Only execute is registered by
+// default (see the top of this file); initialize loads the module a step ahead, for the A/B.
 template <bool kHip>
 ffi::Error InitializeStage(void* stream, int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
                            JAX_MLA_LAUNCH_ATTR_PARAMS) {
@@ -383,6 +447,29 @@ extern "C" __attribute__((visibility("default"))) int JaxMlaTritonDriverError(in
     std::snprintf(buffer, static_cast<size_t>(size), "%s", error.c_str());
   }
   return static_cast<int>(error.size());
+}
+
+// Loads (or finds) `name` from `image` on `device` exactly as the execute stage does before its
+// launch (no stream: the CUDA path makes no context current), and writes the function into
+// `*function`; 0 on success, else the error's length with its text copied into `error`. For
+// tests (against a stand-in driver) and diagnostics.
+extern "C" __attribute__((visibility("default"))) int JaxMlaTritonLoadKernel(
+    int hip, int device, const uint8_t* image, int64_t size, int64_t binary_hash,
+    const char* name, int shared_bytes, void** function, char* error, int error_size) {
+  jax_mla::Launch l{};
+  l.name = name;
+  l.binary = ffi::Span<const uint8_t>(image, static_cast<size_t>(size));
+  l.binary_hash = binary_hash;
+  l.shared_bytes = shared_bytes;
+  l.target = "the caller's";
+  auto f = jax_mla::GetFunction(jax_mla::GetDriver(hip != 0), nullptr, device, l);
+  if (f.has_value()) {
+    *function = *f;
+    return 0;
+  }
+  std::string message = f.error().message();
+  if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", message.c_str());
+  return static_cast<int>(message.size()) + 1;
 }
 
 // CPU twin for tests: decodes the same attributes and packs the same parameters, then writes,

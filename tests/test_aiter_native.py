@@ -33,7 +33,7 @@ import pytest
 from test_aiter_kernel_set import PINNED_CSV
 
 import jax_mla
-from jax_mla.backends.aiter import build_aiter_decode_metadata, native, native_prefill
+from jax_mla.backends.aiter import build_aiter_decode_metadata, native, native_fmha, native_prefill
 from jax_mla.backends.triton import ffi_launch
 from jax_mla.problem import Target
 
@@ -118,11 +118,13 @@ def test_rocm_handler_is_registered_command_buffer_compatible(monkeypatch):
         jax.ffi, "register_ffi_target",
         lambda name, fn, platform, **kw: seen.setdefault((name, platform), (fn, kw)))
     monkeypatch.setattr(native, "_registered", set())
+    monkeypatch.delenv("JAX_MLA_FFI_INITIALIZE_STAGE", raising=False)
     native.register()
     native_prefill.register()
-    for mod in (native, native_prefill):
+    native_fmha.register()
+    for mod in (native, native_prefill, native_fmha):
         fn, kw = seen[(mod.TARGET_NAME, "ROCM")]
-        assert set(fn) == {"initialize", "execute"}
+        assert set(fn) == {"execute"}  # loads at the first call (see ffi_launch.handler_stages)
         assert kw["traits"] == ffi_launch.command_buffer_traits()
         assert (mod.PACK_TARGET_NAME, "cpu") in seen
 

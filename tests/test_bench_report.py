@@ -53,29 +53,40 @@ def test_chain_length_section(tmp_path):
     whose rows do not say where our calls ran) give one table, wall minus span per row."""
     rng = np.random.default_rng()
 
-    def row(n, inside=None):
+    def row(n, inside=None, init=False):
         r = {"shape": "1,16,1024", "n": n, "wall_us": float(rng.uniform(20, 40)),
              "enqueue_us": float(rng.uniform(5, 20)), "span_us": float(rng.uniform(10, 15))}
         if inside is not None:
             r["ffi_command_buffers"] = inside
+            r["ffi_initialize_stage"] = init
         return r
+
+    logged = {**row(32, True, init=True), "updates": {
+        "executions": 7, "executions_since_update_max": 1, "updates": int(rng.integers(2, 7)),
+        "first_records": 1, "stream_captures": int(rng.integers(3, 99))}}
 
     traced = {**row(64, True), "host_events_us": {"CommandBufferThunk::ExecuteOnStream":
                                                   float(rng.uniform(1, 9)), "cuLaunch": 0.5}}
     files = {"cmdbuf_chains.json": [row(4)], "cmdbuf_chains_on.json": [row(16, True), traced],
-             "cmdbuf_chains_off.json": [row(128, False), {**row(1, False), "span_us": None}]}
+             "cmdbuf_chains_off.json": [row(128, False), {**row(1, False), "span_us": None}],
+             "cmdbuf_chains_init.json": [logged]}
     for name, rows in files.items():
         (tmp_path / name).write_text(json.dumps(rows))
     text = report.report(str(tmp_path))
     assert text.count("## Where a chained call's wall time goes") == 1
     for rows in files.values():
         for r in rows:
-            inside = {None: "-", True: "yes", False: "no"}[r.get("ffi_command_buffers")]
+            inside = {None: "-", True: "yes", False: "no"}[r.get("ffi_command_buffers")] + (
+                " + init" if r.get("ffi_initialize_stage") else "")
             span = r["span_us"]
             tail = (f"{span:.1f} | {r['wall_us'] - span:.1f} |" if span is not None
                     else "- | - |")
             assert (f"| {r['shape']} | {inside} | {r['n']} | {r['wall_us']:.1f} | "
                     f"{r['enqueue_us']:.1f} | {tail}") in text, r
+    u = logged["updates"]
+    assert (f"| {logged['wall_us'] - logged['span_us']:.1f} | {u['updates']} (1) | 1 | "
+            f"{u['stream_captures']} |") in text
+    assert text.count("| - | - | - |") == 5  # the rows without a log
     assert text.count("### The host's time a chained call") == 1
     for name, us in traced["host_events_us"].items():
         assert f"| 1,16,1024 | yes | 64 | `{name}` | {us:.2f} |" in text

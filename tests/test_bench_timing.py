@@ -348,6 +348,40 @@ def test_cmdbuf_counts_command_buffer_updates_from_xla_log():
     assert none["updates"] == 0 and none["update_us_mean"] is None
 
 
+def test_cmdbuf_reads_the_jax_0_11_forms_of_xla_log():
+    """jax 0.11's XLA prefixes the device ordinal and words its lines otherwise (the strings are
+    those of the 0.11.2 CUDA plugin): replays and executions between updates, first records
+    apart from updates, our calls recorded by stream capture, and a run as plain thunks."""
+    from jax_mla.bench import cmdbuf
+
+    rng = np.random.default_rng()
+    n_cmd, moved = int(rng.integers(20, 400)), int(rng.integers(1, 9))
+    runs = int(rng.integers(3, 9))
+    lines = ["I1205 command_buffer_thunk.cc:250] [0] Create/Update command buffer by recoding "
+             "command buffer cmd sequence after 0 executions since last update; "
+             f"num_commands={n_cmd}; updated_allocs=0; is_first_record=1; needs_update=0"]
+    lines += ["I1205 custom_call_thunk.cc:700] FFI handler requested or required fallback to "
+              "stream capture."] * 3
+    for _ in range(runs):
+        lines += ["I1205 command_buffer_thunk.cc:250] [0] Create/Update command buffer by "
+                  "recoding command buffer cmd sequence after 1 executions since last update; "
+                  f"num_commands={n_cmd}; updated_allocs={moved}; is_first_record=0; "
+                  "needs_update=1",
+                  "I1205 command_buffer_thunk.cc:270] [0] Updated command buffer in 41 μs; "
+                  f"num_commands={n_cmd}",
+                  "I1205 command_executor.cc:600] Skip updating command 3",
+                  "I1205 command_buffer_thunk.cc:300] [0] Execute command buffer; "
+                  "num_executions=1"]
+    lines.append("I1205 command_buffer_thunk.cc:200] Execute command buffer thunk as a regular "
+                 "thunk sequence because we detected active profiling session")
+    got = cmdbuf.update_summary("\n".join(lines))
+    assert (got["executions"], got["executions_since_update_max"]) == (runs, 1), got
+    assert (got["updates"], got["first_records"], got["num_commands"]) == (runs, 1, n_cmd), got
+    assert got["updated_allocs_mean"] == moved and got["update_us_mean"] == 41, got
+    assert got["stream_captures"] == 3 and got["commands_skipped_logged"] == runs, got
+    assert got["thunk_sequence_because"] == ["we detected active profiling session"], got
+
+
 def test_cmdbuf_captures_what_native_code_writes_to_stderr(capfd):
     """The capture takes file descriptor 2 itself (XLA's C++ log does not pass through
     ``sys.stderr``) and writes the text back afterwards."""
@@ -359,3 +393,27 @@ def test_cmdbuf_captures_what_native_code_writes_to_stderr(capfd):
     assert token in got[0]
     assert cmdbuf.update_summary(got[0])["executions"] == 1
     assert token in capfd.readouterr().err
+
+
+def test_the_chain_stage_runs_each_launch_variant_with_xla_logging(monkeypatch, tmp_path):
+    """The session's ``cmdbuf_chains`` stage: one process per variant (execute stage only, with
+    the initialize stage, outside command buffers), each with XLA's command-buffer log on and
+    command buffers kept while the profiler runs."""
+    from jax_mla.bench import cmdbuf, session
+
+    calls = []
+    monkeypatch.setattr(session, "OUT", str(tmp_path))
+    monkeypatch.setattr(session, "_ffi_library", lambda: "/lib/ours.so")
+    monkeypatch.setattr(session, "_python",
+                        lambda args, timeout, name, **env: calls.append((args, name, env)))
+    session.stage_cmdbuf_chains(None)
+    assert [name for _, name, _ in calls] == [f"cmdbuf_chains {v}" for v in ("on", "init", "off")]
+    for (args, name, env), (cb, init) in zip(calls, [("1", "0"), ("1", "1"), ("0", "0")]):
+        assert args[:3] == ["-m", "jax_mla.bench.cmdbuf", "--chains"]
+        assert args[3] == str(tmp_path / f"cmdbuf_chains_{name.split()[1]}.json")
+        assert (env["JAX_MLA_FFI_COMMAND_BUFFERS"],
+                env["JAX_MLA_FFI_INITIALIZE_STAGE"]) == (cb, init)
+        assert env["TF_CPP_VMODULE"] == cmdbuf.VMODULE and "custom_call_thunk=3" in env[
+            "TF_CPP_VMODULE"]
+        assert env["XLA_FLAGS"] == "--xla_enable_command_buffers_during_profiling=true"
+        assert env["JAX_MLA_FFI_LIBRARY"] == "/lib/ours.so"

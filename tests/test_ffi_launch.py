@@ -64,6 +64,124 @@ def test_gpu_handlers_are_registered_command_buffer_compatible(monkeypatch):
 
 
 @needs_library
+@pytest.mark.parametrize("initialize", [False, True])
+def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, initialize):
+    """XLA calls a registered initialize stage for every call on every execution: by default
+    our GPU targets (the Triton launcher and the three AITER handlers) register ``execute``
+    alone; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` adds the exported initialize handlers."""
+    from jax_mla.backends.aiter import native
+
+    monkeypatch.setenv("JAX_MLA_FFI_INITIALIZE_STAGE", "1" if initialize else "0")
+    seen = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, fn, platform, **kw: seen.append((name, platform, fn)))
+    monkeypatch.setattr(ffi_launch, "_registered", set())
+    monkeypatch.setattr(native, "_registered", set())
+    ffi_launch.register()
+    native.register_handlers(native.TARGET_NAME, native.PACK_TARGET_NAME, "JaxMlaAiterAsm",
+                             ("ROCM",))
+    gpu = [(name, platform, fn) for name, platform, fn in seen if platform != "cpu"]
+    assert {(name, platform) for name, platform, _ in gpu} == {
+        (ffi_launch.TARGET_NAME, "CUDA"), (ffi_launch.TARGET_NAME, "ROCM"),
+        (native.TARGET_NAME, "ROCM")}
+    want = {"execute", "initialize"} if initialize else {"execute"}
+    assert all(isinstance(fn, dict) and set(fn) == want for _, _, fn in gpu), gpu
+
+
+_FAKE_DRIVER = r"""
+#include <stdio.h>
+#include <string.h>
+static char log_[8192];
+static int mode_ = 1;  /* a capture in thread-local mode is under way on this thread */
+static void add(const char* s) {
+  strncat(log_, s, sizeof(log_) - strlen(log_) - 2); strcat(log_, ";"); }
+const char* fake_log(void) { return log_; }
+void fake_clear(void) { log_[0] = 0; }
+int EXCHANGE(int* mode) { int old = mode_; mode_ = *mode; *mode = old;
+  char b[32]; snprintf(b, sizeof b, "mode=%d", mode_); add(b); return 0; }
+int LOAD(void** m, const void* image) { char b[32]; snprintf(b, sizeof b, "load@%d", mode_); add(b);
+  if (mode_ != 2) return 900;  /* the capture refuses it: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
+  if (((const unsigned char*)image)[0] != 0x7f) return 200;  /* not an image */
+  *m = (void*)0x1000; return 0; }
+int GETFN(void** f, void* m, const char* name) {
+  char b[64]; snprintf(b, sizeof b, "get:%s", name); add(b);
+  *f = (void*)(0x2000 + strlen(name)); return 0; }
+int cuFuncLoad(void* f) { add("funcload"); return 0; }
+int cuFuncSetAttribute(void* f, int attr, int v) {
+  char b[32]; snprintf(b, sizeof b, "smem=%d", v); add(b); return 0; }
+int LAUNCH(void* f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g,
+           unsigned s, void* st, void** p, void** x) { return 0; }
+int cuStreamGetCtx(void* s, void** c) { *c = (void*)0x3000; return 0; }
+int cuCtxPushCurrent_v2(void* c) { add("push"); return 0; }
+int cuCtxPopCurrent_v2(void** c) { add("pop"); return 0; }
+int hipGetDevice(int* d) { *d = 1; return 0; }
+int hipSetDevice(int d) { char b[32]; snprintf(b, sizeof b, "device=%d", d); add(b); return 0; }
+"""
+
+
+@needs_library
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_a_kernel_loads_once_with_the_capture_mode_relaxed(tmp_path, platform):
+    """Against a stand-in driver whose module load fails unless the thread's stream-capture
+    mode is relaxed (as under XLA's capture of a command buffer): the execute stage's load
+    relaxes the mode, restores it, loads the function eagerly (CUDA), raises the shared-memory
+    limit past 48 KiB, and a second call of the same kernel finds it without loading again."""
+    import shutil
+    import subprocess
+    import sys
+
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    assert cc, "no C compiler (the package itself is built with one)"
+    names = {"cuda": dict(soname="libcuda.so.1", EXCHANGE="cuThreadExchangeStreamCaptureMode",
+                          LOAD="cuModuleLoadData", GETFN="cuModuleGetFunction",
+                          LAUNCH="cuLaunchKernel"),
+             "rocm": dict(soname="libamdhip64.so", EXCHANGE="hipThreadExchangeStreamCaptureMode",
+                          LOAD="hipModuleLoadData", GETFN="hipModuleGetFunction",
+                          LAUNCH="hipModuleLaunchKernel")}[platform]
+    src = tmp_path / "fake.c"
+    src.write_text(_FAKE_DRIVER)
+    lib = tmp_path / names["soname"]
+    defines = [f"-D{k}={v}" for k, v in names.items() if k != "soname"]
+    subprocess.run([cc, "-shared", "-fPIC", *defines, f"-Wl,-soname,{names['soname']}",
+                    str(src), "-o", str(lib)], check=True)
+    script = f"""
+import ctypes, json
+fake = ctypes.CDLL({str(lib)!r}, mode=ctypes.RTLD_GLOBAL)  # found by soname at the driver's dlopen
+fake.fake_log.restype = ctypes.c_char_p
+ours = ctypes.CDLL({ffi_launch.library_path()!r})
+def load(name, image, shared):
+    fn, err = ctypes.c_void_p(), ctypes.create_string_buffer(512)
+    rc = ours.JaxMlaTritonLoadKernel({int(platform == "rocm")}, 0, image, len(image),
+                                     ctypes.c_int64(hash(image) & 0xFFFF), name.encode(), shared,
+                                     ctypes.byref(fn), err, 512)
+    out = fake.fake_log().decode()
+    fake.fake_clear()
+    return dict(rc=rc, fn=fn.value, err=err.value.decode(), log=out)
+elf = b"\x7fELF" + bytes(64)
+print(json.dumps([load("mla_a", elf, 64 * 1024), load("mla_a", elf, 64 * 1024),
+                  load("mla_b", elf, 0), load("mla_c", b"text", 0)]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr
+    import json
+
+    first, again, other, bad = json.loads(r.stdout.strip().splitlines()[-1])
+    assert first["rc"] == 0 and first["fn"] == 0x2000 + len("mla_a"), first
+    log = first["log"].rstrip(";").split(";")
+    assert log[0] == "mode=2" and log[-1] == "mode=1", log  # relaxed, then restored
+    assert "load@2" in log and "get:mla_a" in log, log
+    if platform == "cuda":
+        assert "funcload" in log and "smem=65536" in log and "push" in log and "pop" in log, log
+    else:
+        assert "device=0" in log and "device=1" in log, log  # made current, then restored
+    assert again == dict(rc=0, fn=first["fn"], err="", log=""), again  # found, not loaded
+    assert other["rc"] == 0 and "get:mla_b" in other["log"] and "smem" not in other["log"], other
+    assert bad["rc"] != 0 and "cannot load kernel mla_c" in bad["err"], bad
+    assert bad["log"].rstrip(";").split(";")[-1] == "mode=1", bad  # restored on failure too
+
+
+@needs_library
 @pytest.mark.parametrize("platform,library,advice", [
     ("cuda", "libcuda.so.1", "install the driver"), ("rocm", "libamdhip64.so", "install ROCm")])
 def test_a_missing_driver_is_named_with_what_to_install(platform, library, advice):

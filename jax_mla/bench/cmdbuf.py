@@ -44,7 +44,11 @@ FLAG_SETS = {
 
 # The XLA modules whose compiler log lines are worth keeping: the conversion pass says which
 # commands are enabled, which thunk kinds it refused and what it captured.
-VMODULE = "command_buffer_conversion_pass=2,command_buffer_thunk=3,command_executor=1"
+VMODULE = ("command_buffer_conversion_pass=2,command_buffer_thunk=3,command_executor=3,"
+           "custom_call_thunk=3")
+# XLA runs a command buffer's thunks one by one while a profiler session is active unless told
+# otherwise; the chain probe's host breakdown (``jax.profiler``) must see the command buffer.
+PROFILE_WITH_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
 _KEEP = re.compile(r"CommandBufferConfig|not lowered|lowering is not enabled|Unsupported thunk"
                    r"|Creating command buffer thunk|Removed command buffer support"
                    r"|disabled for profiling", re.I)
@@ -64,28 +68,46 @@ def keep_log_lines(text: str, limit: int = 40) -> list[str]:
     return out[:limit]
 
 
-_EXECUTE = re.compile(r"Execute command buffer on device")
-_UPDATE = re.compile(r"Update command buffer on device.*?num_commands=(\d+)"
-                     r".*?updated_allocs=(\d+)")
-_UPDATED_IN = re.compile(r"Updated command buffer in ([\d.]+)")
+# XLA's lines, in the forms of jax 0.10 ("... on device #0 ...") and of jax 0.11, whose device
+# logging prefixes the ordinal ("[0] Execute command buffer; num_executions=3",
+# "Create/Update command buffer by recoding command buffer cmd sequence after 2 executions since
+# last update; num_commands=..; updated_allocs=..; is_first_record=..; needs_update=..").
+_EXECUTE = re.compile(r"Execute command buffer(?: on device|;)")
+_EXECUTIONS = re.compile(r"Execute command buffer.*?num_executions=(\d+)")
+_UPDATE = re.compile(r"(?:Create/)?Update command buffer.*?num_commands=(\d+)"
+                     r".*?updated_allocs=(\d+)(?:.*?is_first_record=(\w+))?")
+_UPDATED_IN = re.compile(r"(?:Updated|Recorded) command buffer in ([\d.]+)")
 _COMMANDS = re.compile(r"Updated (\d+) commands in ([\d.]+).*?skipped (\d+)")
+_SKIPPED = re.compile(r"Skip updating command")
+_CAPTURES = re.compile(r"fallback to stream capture")
+_SEQUENCE = re.compile(r"as a regular thunk sequence because ([^\n;]+)")
 
 
 def update_summary(text: str) -> dict:
-    """XLA's per-execution command-buffer log (``command_buffer_thunk`` at 3, ``command_executor``
-    at 1) in numbers: replays logged, updates before a replay, and per update the allocations
-    that moved, the commands re-recorded and skipped, and the microseconds it took."""
+    """XLA's per-execution command-buffer log (``command_buffer_thunk`` and ``command_executor``
+    at 3, ``custom_call_thunk`` at 3) in numbers: replays logged and the largest
+    ``num_executions`` (executions since the last update: stuck at 1 means an update before
+    every replay), updates before a replay (first records apart), and per update the
+    allocations that moved, the commands re-recorded and skipped, the microseconds it took; our
+    custom calls recorded by stream capture; and why a command buffer ran as plain thunks."""
     def mean(xs):
         return sum(xs) / len(xs) if xs else None
 
-    updates = [tuple(map(int, m.groups())) for m in _UPDATE.finditer(text)]
+    updates = [(int(n), int(a), first) for n, a, first in _UPDATE.findall(text)]
+    later = [u for u in updates if u[2].lower() not in ("1", "true")]
     commands = [(int(n), float(us), int(k)) for n, us, k in _COMMANDS.findall(text)]
-    return {"executions": len(_EXECUTE.findall(text)), "updates": len(updates),
-            "num_commands": max((n for n, _ in updates), default=None),
-            "updated_allocs_mean": mean([a for _, a in updates]),
+    return {"executions": len(_EXECUTE.findall(text)),
+            "executions_since_update_max": max(map(int, _EXECUTIONS.findall(text)),
+                                               default=None),
+            "updates": len(later), "first_records": len(updates) - len(later),
+            "num_commands": max((n for n, _, _ in updates), default=None),
+            "updated_allocs_mean": mean([a for _, a, _ in later]),
             "update_us_mean": mean([float(x) for x in _UPDATED_IN.findall(text)]),
             "commands_updated_mean": mean([n for n, _, _ in commands]),
-            "commands_skipped_mean": mean([k for _, _, k in commands])}
+            "commands_skipped_mean": mean([k for _, _, k in commands]),
+            "commands_skipped_logged": len(_SKIPPED.findall(text)),
+            "stream_captures": len(_CAPTURES.findall(text)),
+            "thunk_sequence_because": sorted(set(_SEQUENCE.findall(text)))}
 
 
 @contextlib.contextmanager
@@ -140,7 +162,8 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
     """Where a chained call's wall time goes, per shape of ``specs`` and chain length ``n`` (one
     program of ``n`` dependent calls, as the stream timer builds it): wall per call (dispatch to
     sync, median of ``reps``), host time to enqueue the program (the call's return, before the
-    sync) per call, and, under CUPTI, the GPU span and launches per call, with the host's time
+    sync) per call, XLA's command-buffer log over those runs (:func:`update_summary`, where the
+    process logs it), and, under CUPTI, the GPU span and launches per call, with the host's time
     by profiler event for each shape's longest chain (:func:`host_events`). Wall near the
     enqueue time means the host bounds the chain; wall near the span means the GPU does. Every
     wall time is taken before CUPTI loads: its callbacks slow the host."""
@@ -156,22 +179,26 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
 
     calls = {spec: attention_call(Shape.parse(spec), np.random.default_rng(0)) for spec in specs}
     inside = os.environ.get("JAX_MLA_FFI_COMMAND_BUFFERS", "1") != "0"
+    initialize = os.environ.get("JAX_MLA_FFI_INITIALIZE_STAGE", "0") not in ("", "0")
     rows = []
     for spec, (fn, args) in calls.items():
         for n in ns:
             many = chained(fn, n)
             jax.block_until_ready(many(*args))
             walls, enqueues = [], []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                out = many(*args)
-                t1 = time.perf_counter()
-                jax.block_until_ready(out)
-                walls.append(time.perf_counter() - t0)
-                enqueues.append(t1 - t0)
+            with captured_stderr() as log:
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    out = many(*args)
+                    t1 = time.perf_counter()
+                    jax.block_until_ready(out)
+                    walls.append(time.perf_counter() - t0)
+                    enqueues.append(t1 - t0)
             rows.append({"shape": spec, "n": n, "ffi_command_buffers": inside,
+                         "ffi_initialize_stage": initialize,
                          "wall_us": statistics.median(walls) / n * 1e6,
-                         "enqueue_us": statistics.median(enqueues) / n * 1e6})
+                         "enqueue_us": statistics.median(enqueues) / n * 1e6,
+                         "updates": update_summary(log[0])})
     if profile.available():
         for row in rows:
             fn, args = calls[row["shape"]]

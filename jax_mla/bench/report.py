@@ -168,23 +168,39 @@ def cmdbuf_table(rows) -> str:
 
 
 def _inside(row) -> str:
-    """Whether a chain row's launches ran in command buffers: yes, no, or - (not recorded)."""
+    """Whether a chain row's launches ran in command buffers: yes, no, or - (not recorded);
+    ``+ init`` where XLA's initialize stage was registered too."""
     inside = row.get("ffi_command_buffers")
-    return "-" if inside is None else ("yes" if inside else "no")
+    mode = "-" if inside is None else ("yes" if inside else "no")
+    return mode + (" + init" if row.get("ffi_initialize_stage") else "")
+
+
+def _updates(row) -> str:
+    """XLA's command-buffer log of a chain row's timed runs: updates before a replay (first
+    records), the most executions between updates, our calls recorded by stream capture."""
+    u = row.get("updates")
+    if not u or not (u.get("executions") or u.get("updates") or u.get("first_records")):
+        return "- | - | -"
+    return (f"{u.get('updates', 0)} ({u.get('first_records', 0)}) | "
+            f"{_f(u.get('executions_since_update_max'), 0)} | {u.get('stream_captures', 0)}")
 
 
 def chains_table(rows) -> str:
     """``cmdbuf_chains*.json`` (``python -m jax_mla.bench.cmdbuf --chains``): per shape and
     chain length, wall and host enqueue time per call, and the GPU span per call (CUPTI), with
-    our launches in command buffers or outside them (``JAX_MLA_FFI_COMMAND_BUFFERS``)."""
+    our launches in command buffers or outside them (``JAX_MLA_FFI_COMMAND_BUFFERS``), with or
+    without XLA's initialize stage (``JAX_MLA_FFI_INITIALIZE_STAGE``), and what XLA's log said
+    of command-buffer updates while the chain was timed."""
     out = ["| shape | our calls in command buffers | calls chained | wall µs a call | "
-           "enqueue µs a call | GPU span µs a call | wall - span |",
-           "|---|---|---|---|---|---|---|"]
+           "enqueue µs a call | GPU span µs a call | wall - span | XLA updates (first records) "
+           "| most runs between updates | calls stream-captured |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         span = r.get("span_us")
         out.append(f"| {r['shape']} | {_inside(r)} | {r['n']} | {_f(r['wall_us'])} | "
                    f"{_f(r['enqueue_us'])} | {_f(span)} | "
-                   f"{_f(r['wall_us'] - span if span is not None else None)} |")
+                   f"{_f(r['wall_us'] - span if span is not None else None)} | "
+                   f"{_updates(r)} |")
     return "\n".join(out)
 
 
@@ -299,7 +315,8 @@ def report(folder: str) -> str:
         parts += ["## Command buffers around the chain (one process per XLA flag set)", "",
                   cmdbuf_table(cb), ""]
     chains = [r for f in ("cmdbuf_chains.json", "cmdbuf_chains_on.json",
-                          "cmdbuf_chains_off.json") for r in (_load(folder, f) or [])]
+                          "cmdbuf_chains_init.json", "cmdbuf_chains_off.json")
+              for r in (_load(folder, f) or [])]
     if chains:
         parts += ["## Where a chained call's wall time goes, by chain length", "",
                   chains_table(chains), ""]

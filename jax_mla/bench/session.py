@@ -24,7 +24,9 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``graphs``: the command buffers XLA forms around our launches (:data:`GRAPH_SHAPES`);
   ``cmdbuf``: whether XLA captures them, read from its thunk dump and log, and the stream time
   with command buffers on, off and at any size (``jax_mla.bench.cmdbuf``); ``cmdbuf_chains``:
-  wall, host enqueue and GPU span per call against the chain's length;
+  wall, host enqueue and GPU span per call against the chain's length, and XLA's log of
+  command-buffer updates, with the execute stage only, XLA's initialize stage too, and outside
+  command buffers (:data:`CHAIN_VARIANTS`);
 - ``planner``: a step's metadata on the GPU, and the planning kernel's knobs
   (``python -m jax_mla.bench.planner``);
 - ``launcher_tests``: the FFI launcher (``docs/launcher.md``): builds its library if this
@@ -504,15 +506,26 @@ def stage_cmdbuf(_):
         json.dump(rows, f, indent=1)
 
 
+# The chain probe's variants: our launches in XLA's command buffers with the execute stage only
+# (the default), with XLA's initialize stage registered too, and outside command buffers.
+CHAIN_VARIANTS = {"on": dict(JAX_MLA_FFI_COMMAND_BUFFERS="1", JAX_MLA_FFI_INITIALIZE_STAGE="0"),
+                  "init": dict(JAX_MLA_FFI_COMMAND_BUFFERS="1", JAX_MLA_FFI_INITIALIZE_STAGE="1"),
+                  "off": dict(JAX_MLA_FFI_COMMAND_BUFFERS="0", JAX_MLA_FFI_INITIALIZE_STAGE="0")}
+
+
 def stage_cmdbuf_chains(_):
-    """Wall, host enqueue and GPU span per call against the chain's length, and the host's
-    time by profiler event for the longest chain (``python -m jax_mla.bench.cmdbuf --chains``),
-    with our launches in XLA's command buffers and outside them
-    (``JAX_MLA_FFI_COMMAND_BUFFERS=0``), to ``cmdbuf_chains_<on|off>.json``."""
-    for name, flag in (("on", "1"), ("off", "0")):
+    """Wall, host enqueue and GPU span per call against the chain's length, XLA's command-buffer
+    log over the timed runs, and the host's time by profiler event for the longest chain
+    (``python -m jax_mla.bench.cmdbuf --chains``, command buffers kept on under the profiler),
+    one process per :data:`CHAIN_VARIANTS` entry, to ``cmdbuf_chains_<variant>.json``."""
+    from jax_mla.bench import cmdbuf
+
+    for name, knobs in CHAIN_VARIANTS.items():
         _python(["-m", "jax_mla.bench.cmdbuf", "--chains",
                  os.path.join(OUT, f"cmdbuf_chains_{name}.json")], 150, f"cmdbuf_chains {name}",
-                JAX_MLA_FFI_LIBRARY=_ffi_library(), JAX_MLA_FFI_COMMAND_BUFFERS=flag)
+                JAX_MLA_FFI_LIBRARY=_ffi_library(), TF_CPP_MIN_LOG_LEVEL="0",
+                TF_CPP_VMODULE=cmdbuf.VMODULE, XLA_FLAGS=cmdbuf.PROFILE_WITH_COMMAND_BUFFERS,
+                **knobs)
 
 
 def stage_memcheck_conformance(_):

@@ -4,7 +4,7 @@ The asm decode kernels (stage 1 of AITER's ``mla_decode_fwd``, persistent and sp
 assembly code objects (``.co``) that AITER ships under ``hsa/<arch>/mla/`` with a kernel table,
 ``mla_asm.csv``. Here they are launched by jax_mla's typed XLA FFI handler
 ``jax_mla_aiter_asm_mla`` (``ffi/aiter_asm.cc``), which loads the ``.co`` with ``hipModuleLoad``
-in XLA's initialize stage and launches it on XLA's stream with jax_mla's own copy of the kernels'
+at its first call and launches it on XLA's stream with jax_mla's own copy of the kernels'
 argument block (:data:`KERNEL_ARGS_LAYOUT`, read from ROCm/aiter at :data:`AITER_COMMIT`).
 The split merge (stage 2) is jnp: AITER's ``mla_reduce_v1`` semantics for a persistent plan
 (``planner.reduce_plan_reference``) and its Triton ``_fwd_kernel_stage2_asm`` merge otherwise.
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 # read from (csrc/py_itfs_cu/asm_mla.cu, hsa/gfx94{2}/gfx950/mla/mla_asm.csv, aiter/mla.py).
 AITER_COMMIT = caps.AITER_COMMIT
 
-TARGET_NAME = "jax_mla_aiter_asm_mla"  # ROCm: initialize (load the .co) + execute (launch)
+TARGET_NAME = "jax_mla_aiter_asm_mla"  # ROCm: execute (load the .co once, launch)
 PACK_TARGET_NAME = "jax_mla_aiter_asm_pack"  # CPU twin: writes the packed argument block
 
 # ``MlaAsmKernelArgs`` (ffi/aiter_asm.cc): (field, byte offset, kind). Every field has a 16-byte
@@ -542,8 +542,9 @@ def register_handlers(target: str, pack_target: str, symbols: str,
             else:
                 jax.ffi.register_ffi_target(
                     target,
-                    {"initialize": jax.ffi.pycapsule(getattr(lib, symbols + "InitializeRocm")),
-                     "execute": jax.ffi.pycapsule(getattr(lib, symbols + "ExecuteRocm"))},
+                    ffi_launch.handler_stages(
+                        lambda stage, lib=lib: jax.ffi.pycapsule(
+                            getattr(lib, f"{symbols}{stage}Rocm"))),
                     platform=platform, traits=ffi_launch.command_buffer_traits())
             _registered.add((target, platform))
 

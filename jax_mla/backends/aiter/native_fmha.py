@@ -43,7 +43,7 @@ import numpy as np
 from jax_mla.backends.aiter import native
 from jax_mla.backends.aiter.native import AiterInstallError
 
-TARGET_NAME = "jax_mla_aiter_asm_fmha_fwd"  # ROCm: initialize (load the .co) + execute
+TARGET_NAME = "jax_mla_aiter_asm_fmha_fwd"  # ROCm: execute (load the .co once, launch)
 PACK_TARGET_NAME = "jax_mla_aiter_asm_fmha_fwd_pack"  # CPU twin: the packed argument block
 FALLBACK_WHAT = "FlashAttention varlen prefill"
 ARCHS = ("gfx942", "gfx950")  # the archs with fmha_v3_fwd kernels

@@ -36,7 +36,7 @@ from jax_mla.backends.aiter import native
 from jax_mla.backends.aiter.native import AiterInstallError, KernelChoice
 from jax_mla.backends.base import out_dtype
 
-TARGET_NAME = "jax_mla_aiter_asm_prefill_ps"  # ROCm: initialize (load the .co) + execute
+TARGET_NAME = "jax_mla_aiter_asm_prefill_ps"  # ROCm: execute (load the .co once, launch)
 PACK_TARGET_NAME = "jax_mla_aiter_asm_prefill_ps_pack"  # CPU twin: the packed argument block
 FALLBACK_WHAT = "fp8 PS prefill"
 ARCHS = ("gfx950",)  # AITER refuses gfx942; vLLM gates the route on gfx950

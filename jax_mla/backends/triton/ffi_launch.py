@@ -12,7 +12,7 @@ How a kernel becomes a custom call (``docs/launcher.md`` has the whole story):
 2. :func:`launch` emits one ``stablehlo.custom_call @jax_mla_triton`` (api_version 4, the typed
    FFI) with the binary and its launch parameters as static attributes.
 3. At run time the handler registered for the platform (``CUDA`` or ``ROCM``, see
-   :func:`register`) loads the module once per device, in XLA's initialize stage, and launches
+   :func:`register`) loads the module once per device, at the first call, and launches
    it on XLA's stream with ``cuLaunchKernel`` / ``hipModuleLaunchKernel``. The handler is marked
    command-buffer compatible, so XLA may capture it in a CUDA graph.
 
@@ -113,6 +113,22 @@ def command_buffer_traits():
     return xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
 
 
+def handler_stages(capsule) -> dict:
+    """The stages a GPU target registers: ``execute`` only, which loads its module at the first
+    call (the handlers relax the thread's stream-capture mode for that load, so it may happen
+    while XLA records a command buffer). XLA calls an initialize stage for every custom call on
+    every execution of the program, command buffer or not, which is host time a step's command
+    buffer cannot hide; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` registers it too (the module then
+    loads a step ahead of the first launch: a measurement knob, read when the targets are first
+    registered). ``capsule(stage)`` gives a stage's handler (``"Initialize"`` or ``"Execute"``)."""
+    from jax_mla import env
+
+    stages = {"execute": capsule("Execute")}
+    if env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False):
+        stages["initialize"] = capsule("Initialize")
+    return stages
+
+
 _REGISTER_LOCK = threading.Lock()
 _registered: set[str] = set()
 
@@ -120,7 +136,7 @@ _registered: set[str] = set()
 def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
     """Register the handlers with XLA for ``platforms`` (idempotent; no GPU needed).
 
-    ``CUDA`` and ``ROCM`` get the launcher (its initialize and execute stages); ``cpu`` gets the
+    ``CUDA`` and ``ROCM`` get the launcher (:func:`handler_stages`); ``cpu`` gets the
     twin :data:`PACK_TARGET_NAME`, which decodes the same attributes and reports how the
     parameters were packed, for tests.
     """
@@ -135,8 +151,8 @@ def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
                 suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
                 jax.ffi.register_ffi_target(
                     TARGET_NAME,
-                    {"initialize": _capsule(f"JaxMlaTritonInitialize{suffix}"),
-                     "execute": _capsule(f"JaxMlaTritonExecute{suffix}")},
+                    handler_stages(
+                        lambda stage, suffix=suffix: _capsule(f"JaxMlaTriton{stage}{suffix}")),
                     platform=platform, traits=command_buffer_traits())
             _registered.add(platform)
 
