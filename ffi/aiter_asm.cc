@@ -1235,3 +1235,17 @@ extern "C" __attribute__((visibility("default"))) int JaxMlaAiterAsmDriverError(
   if (size > 0) std::snprintf(buffer, static_cast<size_t>(size), "%s", error.c_str());
   return static_cast<int>(error.size());
 }
+
+// Loads (or finds) `kernel_name` from the code object `co_path` on `device` as every handler's
+// execute stage does before its launch: jax_mla calls it when it traces a launch
+// (native.preload), so that the first execution, which XLA may record into a command buffer by
+// stream capture, finds it loaded. 0 on success, else the error's length + 1 with its text
+// copied into `error`.
+extern "C" __attribute__((visibility("default"))) int JaxMlaAiterLoadKernel(
+    int device, const char* co_path, const char* kernel_name, char* error, int error_size) {
+  auto function = jax_mla::aiter_asm::GetFunction(device, co_path, kernel_name);
+  if (function.has_value()) return 0;
+  std::string message = function.error().message();
+  if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", message.c_str());
+  return static_cast<int>(message.size()) + 1;
+}

@@ -9,8 +9,10 @@
 // aliased result is passed twice, once as each), then the hidden ones.
 //
 // The driver (libcuda / libamdhip64) is opened with dlopen on first use, so this library builds
-// with a plain C++ compiler and no CUDA or ROCm toolkit. A module is loaded once per device
-// (ordinal) and binary, at the first execution, and cached for the life of the process; after
+// with a plain C++ compiler and no CUDA or ROCm toolkit. A module is loaded once per context
+// (CUDA: the stream's; HIP: the device's) and binary, and cached for the life of the process:
+// when jax_mla traces the launch (`JaxMlaTritonLoadKernel` into each local device's primary
+// context, the one XLA's streams use: ffi_launch.preload), else at the first execution. After
 // that execution only looks the function up (no allocation) and launches (nothing for an empty
 // grid), so the handlers are command-buffer (CUDA graph) compatible.
 //
@@ -61,9 +63,11 @@ struct Driver {
   // CUDA 12+: a launch with attributes, for programmatic dependent launch (optional).
   Result (*launch_kernel_ex)(const void* config, void* function, void** params,
                              void** extra) = nullptr;
-  // Making the device's context current for a module load (CUDA: the stream's context; HIP:
-  // the device ordinal), whatever thread XLA calls the initialize stage from.
+  // Making the device's context current for a module load (CUDA: the stream's context, or the
+  // device's primary context when there is no stream; HIP: the device ordinal), whatever
+  // thread it runs on.
   Result (*stream_get_ctx)(void* stream, void** ctx) = nullptr;
+  Result (*primary_ctx_retain)(void** ctx, int device) = nullptr;  // optional
   Result (*ctx_push)(void* ctx) = nullptr;
   Result (*ctx_pop)(void** ctx) = nullptr;
   Result (*get_device)(int* ordinal) = nullptr;
@@ -134,6 +138,7 @@ const Driver& GetDriver(bool hip) {
       Load(lib, "cuDeviceGetAttribute", &d.device_get_attribute, &optional);
       Load(lib, "cuThreadExchangeStreamCaptureMode", &d.exchange_capture_mode, &optional);
       Load(lib, "cuFuncLoad", &d.func_load, &optional);
+      Load(lib, "cuDevicePrimaryCtxRetain", &d.primary_ctx_retain, &optional);
     }
     if (!missing.empty()) d.error = "jax_mla: the " + std::string(d.vendor) +
                                     " driver lacks" + missing;
@@ -193,18 +198,19 @@ static_assert(offsetof(CuLaunchConfig, stream) == 32 && offsetof(CuLaunchConfig,
               "CUlaunchConfig's layout in cuda.h");
 constexpr int32_t kProgrammaticStreamSerialization = 6;
 
-// Functions by (device ordinal, binary hash), then kernel name, loaded once into the device's
-// context. A hit allocates nothing (the name is compared as a view).
+// Functions by (context, binary hash), then kernel name. The context is CUDA's (a module
+// belongs to one) or, on HIP, the device ordinal. A hit allocates nothing (the name is compared
+// as a view).
 struct FunctionKey {
-  int32_t device;
+  const void* context;
   int64_t binary_hash;
   bool operator==(const FunctionKey& o) const {
-    return device == o.device && binary_hash == o.binary_hash;
+    return context == o.context && binary_hash == o.binary_hash;
   }
 };
 struct FunctionKeyHash {
   size_t operator()(const FunctionKey& k) const {
-    return std::hash<int64_t>()(k.binary_hash) ^ (static_cast<size_t>(k.device) << 1);
+    return std::hash<int64_t>()(k.binary_hash) ^ std::hash<const void*>()(k.context);
   }
 };
 std::mutex cache_mutex;
@@ -235,15 +241,30 @@ class RelaxedCapture {
 // CUDA's attribute for more than 48 KiB of dynamic shared memory.
 constexpr int kMaxDynamicSharedBytes = 8;
 
-// The device's context made current for the life of the object (restored after).
+// Where a function is loaded and looked up: on CUDA the context of XLA's `stream`, or with no
+// stream the device's primary context (the one XLA's streams use; retained, never released, so
+// it outlives the module); on HIP the device ordinal. Null when CUDA gives no context.
+const void* LoadScope(const Driver& d, void* stream, int32_t device) {
+  if (d.ctx_push == nullptr) {  // HIP
+    return reinterpret_cast<const void*>(static_cast<intptr_t>(device) + 1);
+  }
+  void* ctx = nullptr;
+  if (stream != nullptr) return d.stream_get_ctx(stream, &ctx) == 0 ? ctx : nullptr;
+  int dev = 0;
+  if (d.device_get != nullptr && d.primary_ctx_retain != nullptr &&
+      d.device_get(&dev, device) == 0 && d.primary_ctx_retain(&ctx, dev) == 0) {
+    return ctx;
+  }
+  return nullptr;
+}
+
+// The scope's context (CUDA) or device (HIP) made current for the life of the object
+// (restored after).
 class ScopedDevice {
  public:
-  ScopedDevice(const Driver& d, void* stream, int32_t device) : d_(d) {
+  ScopedDevice(const Driver& d, const void* scope, int32_t device) : d_(d) {
     if (d.ctx_push != nullptr) {  // CUDA
-      void* ctx = nullptr;
-      if (d.stream_get_ctx(stream, &ctx) == 0 && ctx != nullptr && d.ctx_push(ctx) == 0) {
-        pushed_ = true;
-      }
+      pushed_ = d.ctx_push(const_cast<void*>(scope)) == 0;
     } else if (d.get_device != nullptr && d.get_device(&saved_) == 0 && saved_ != device) {
       restore_ = d.set_device(device) == 0;  // HIP
     }
@@ -262,13 +283,19 @@ class ScopedDevice {
 
 ffi::ErrorOr<void*> GetFunction(const Driver& d, void* stream, int32_t device, const Launch& l) {
   if (!d.error.empty()) return ffi::Unexpected(ffi::Error::Internal(d.error));
+  const void* scope = LoadScope(d, stream, device);
+  if (scope == nullptr) {
+    return ffi::Unexpected(ffi::Error::Internal(
+        "jax_mla: no CUDA context for " + DescribeDevice(d, device) + " to load kernel " +
+        std::string(l.name) + " into"));
+  }
   std::lock_guard<std::mutex> lock(cache_mutex);
-  auto& loaded = function_cache[FunctionKey{device, l.binary_hash}];
+  auto& loaded = function_cache[FunctionKey{scope, l.binary_hash}];
   for (const auto& [name, function] : loaded) {
     if (name == l.name) return function;
   }
   RelaxedCapture relaxed(d);
-  ScopedDevice scoped(d, stream, device);
+  ScopedDevice scoped(d, scope, device);
   // The image must outlive the module load only; copy it (attribute storage is not ours).
   std::vector<uint8_t> image(l.binary.begin(), l.binary.end());
   image.push_back(0);  // harmless for ELF images, required for text ones
@@ -449,12 +476,14 @@ extern "C" __attribute__((visibility("default"))) int JaxMlaTritonDriverError(in
   return static_cast<int>(error.size());
 }
 
-// Loads (or finds) `name` from `image` on `device` exactly as the execute stage does before its
-// launch (no stream: the CUDA path makes no context current), and writes the function into
-// `*function`; 0 on success, else the error's length with its text copied into `error`. For
-// tests (against a stand-in driver) and diagnostics.
+// Loads (or finds) `name` from `image` on `device` as the execute stage does before its launch,
+// into the context of `stream` (a CUstream / hipStream_t), or with a null stream into the
+// device's primary context, which XLA's streams use: jax_mla calls it when it traces a launch
+// (ffi_launch.preload), so that the first execution, which may be recorded into a command
+// buffer by stream capture, finds the function loaded. Writes the function into `*function`;
+// returns 0, else the error's length + 1 with its text copied into `error`.
 extern "C" __attribute__((visibility("default"))) int JaxMlaTritonLoadKernel(
-    int hip, int device, const uint8_t* image, int64_t size, int64_t binary_hash,
+    int hip, int device, void* stream, const uint8_t* image, int64_t size, int64_t binary_hash,
     const char* name, int shared_bytes, void** function, char* error, int error_size) {
   jax_mla::Launch l{};
   l.name = name;
@@ -462,7 +491,7 @@ extern "C" __attribute__((visibility("default"))) int JaxMlaTritonLoadKernel(
   l.binary_hash = binary_hash;
   l.shared_bytes = shared_bytes;
   l.target = "the caller's";
-  auto f = jax_mla::GetFunction(jax_mla::GetDriver(hip != 0), nullptr, device, l);
+  auto f = jax_mla::GetFunction(jax_mla::GetDriver(hip != 0), stream, device, l);
   if (f.has_value()) {
     *function = *f;
     return 0;

@@ -129,6 +129,40 @@ def test_rocm_handler_is_registered_command_buffer_compatible(monkeypatch):
         assert (mod.PACK_TARGET_NAME, "cpu") in seen
 
 
+def test_a_traced_launch_preloads_the_code_object_on_each_rocm_device(monkeypatch):
+    """Tracing an AITER launch loads its ``.co`` on every local ROCm device, once a kernel and
+    device, so that no load is left for a command buffer's capture; the real library's loader
+    reports a missing runtime as an error code, never a crash."""
+    import types
+
+    calls = []
+
+    class Lib:
+        def JaxMlaAiterLoadKernel(self, ordinal, co_path, name, err, size):
+            calls.append((ordinal.value, co_path, name))
+            return 9
+
+    devices = [types.SimpleNamespace(id=5, local_hardware_id=1),
+               types.SimpleNamespace(id=6, local_hardware_id=None)]
+    monkeypatch.setattr(native, "_library", lambda: Lib())
+    monkeypatch.setattr(native, "_preloaded", set())
+    monkeypatch.setattr(jax, "local_devices", lambda backend=None: devices)
+    native.preload("/aiter/hsa/gfx942/mla/a.co", "mla_a")
+    native.preload("/aiter/hsa/gfx942/mla/a.co", "mla_a")
+    native.preload("/aiter/hsa/gfx942/mla/b.co", "mla_b")
+    assert calls == [(1, b"/aiter/hsa/gfx942/mla/a.co", b"mla_a"),
+                     (6, b"/aiter/hsa/gfx942/mla/a.co", b"mla_a"),
+                     (1, b"/aiter/hsa/gfx942/mla/b.co", b"mla_b"),
+                     (6, b"/aiter/hsa/gfx942/mla/b.co", b"mla_b")]
+    # This host has no ROCm runtime: the library's own loader says so in its error text.
+    import ctypes
+
+    err = ctypes.create_string_buffer(512)
+    rc = ffi_launch._library().JaxMlaAiterLoadKernel(0, b"/nowhere.co", b"k", err, 512)
+    assert rc == len(err.value) + 1 and (b"ROCm runtime" in err.value  # no runtime here
+                                         or b"cannot be read" in err.value), err.value
+
+
 def test_library_layout_is_aiters_at_the_pinned_commit():
     native.check_library_layout()
     got = native.library_layout()

@@ -111,7 +111,9 @@ int cuFuncSetAttribute(void* f, int attr, int v) {
   char b[32]; snprintf(b, sizeof b, "smem=%d", v); add(b); return 0; }
 int LAUNCH(void* f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g,
            unsigned s, void* st, void** p, void** x) { return 0; }
-int cuStreamGetCtx(void* s, void** c) { *c = (void*)0x3000; return 0; }
+int cuStreamGetCtx(void* s, void** c) { *c = (void*)(0x2000 + 0x1000 * (long)s); return 0; }
+int cuDeviceGet(int* dev, int ordinal) { *dev = ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void** c, int dev) { add("retain"); *c = (void*)0x3000; return 0; }
 int cuCtxPushCurrent_v2(void* c) { add("push"); return 0; }
 int cuCtxPopCurrent_v2(void** c) { add("pop"); return 0; }
 int hipGetDevice(int* d) { *d = 1; return 0; }
@@ -123,9 +125,11 @@ int hipSetDevice(int d) { char b[32]; snprintf(b, sizeof b, "device=%d", d); add
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 def test_a_kernel_loads_once_with_the_capture_mode_relaxed(tmp_path, platform):
     """Against a stand-in driver whose module load fails unless the thread's stream-capture
-    mode is relaxed (as under XLA's capture of a command buffer): the execute stage's load
-    relaxes the mode, restores it, loads the function eagerly (CUDA), raises the shared-memory
-    limit past 48 KiB, and a second call of the same kernel finds it without loading again."""
+    mode is relaxed (as under XLA's capture of a command buffer): the load relaxes the mode,
+    restores it, loads the function eagerly (CUDA), raises the shared-memory limit past 48 KiB.
+    Loaded with no stream (as at trace time) it goes to the device's primary context, where a
+    later call on a stream of that context (stream 1 here) finds it without loading again; a
+    stream of another context (stream 2) loads its own copy (CUDA)."""
     import shutil
     import subprocess
     import sys
@@ -149,36 +153,91 @@ import ctypes, json
 fake = ctypes.CDLL({str(lib)!r}, mode=ctypes.RTLD_GLOBAL)  # found by soname at the driver's dlopen
 fake.fake_log.restype = ctypes.c_char_p
 ours = ctypes.CDLL({ffi_launch.library_path()!r})
-def load(name, image, shared):
+def load(name, image, shared, stream=None):
     fn, err = ctypes.c_void_p(), ctypes.create_string_buffer(512)
-    rc = ours.JaxMlaTritonLoadKernel({int(platform == "rocm")}, 0, image, len(image),
+    rc = ours.JaxMlaTritonLoadKernel({int(platform == "rocm")}, 0, ctypes.c_void_p(stream),
+                                     image, len(image),
                                      ctypes.c_int64(hash(image) & 0xFFFF), name.encode(), shared,
                                      ctypes.byref(fn), err, 512)
     out = fake.fake_log().decode()
     fake.fake_clear()
     return dict(rc=rc, fn=fn.value, err=err.value.decode(), log=out)
 elf = b"\x7fELF" + bytes(64)
-print(json.dumps([load("mla_a", elf, 64 * 1024), load("mla_a", elf, 64 * 1024),
-                  load("mla_b", elf, 0), load("mla_c", b"text", 0)]))
+print(json.dumps([load("mla_a", elf, 64 * 1024), load("mla_a", elf, 64 * 1024, stream=1),
+                  load("mla_b", elf, 0), load("mla_c", b"text", 0),
+                  load("mla_a", elf, 64 * 1024, stream=2)]))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr
     import json
 
-    first, again, other, bad = json.loads(r.stdout.strip().splitlines()[-1])
+    first, again, other, bad, elsewhere = json.loads(r.stdout.strip().splitlines()[-1])
     assert first["rc"] == 0 and first["fn"] == 0x2000 + len("mla_a"), first
     log = first["log"].rstrip(";").split(";")
-    assert log[0] == "mode=2" and log[-1] == "mode=1", log  # relaxed, then restored
+    assert "mode=2" in log and log[-1] == "mode=1", log  # relaxed, then restored
     assert "load@2" in log and "get:mla_a" in log, log
     if platform == "cuda":
         assert "funcload" in log and "smem=65536" in log and "push" in log and "pop" in log, log
+        assert "retain" in log, log  # no stream: the device's primary context
     else:
         assert "device=0" in log and "device=1" in log, log  # made current, then restored
     assert again == dict(rc=0, fn=first["fn"], err="", log=""), again  # found, not loaded
     assert other["rc"] == 0 and "get:mla_b" in other["log"] and "smem" not in other["log"], other
     assert bad["rc"] != 0 and "cannot load kernel mla_c" in bad["err"], bad
     assert bad["log"].rstrip(";").split(";")[-1] == "mode=1", bad  # restored on failure too
+    if platform == "cuda":  # another context loads its own module
+        assert elsewhere["rc"] == 0 and "load@2" in elsewhere["log"], elsewhere
+        assert "retain" not in elsewhere["log"], elsewhere
+    else:  # HIP: one module a device, whatever the stream
+        assert elsewhere == dict(rc=0, fn=first["fn"], err="", log=""), elsewhere
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_a_traced_launch_preloads_its_kernel_on_each_local_device(monkeypatch, platform):
+    """Tracing a launch loads its kernel into every local device of the target's platform
+    (once per kernel and device, no stream: the primary context), so that no load is left for a
+    command buffer's capture; a load that fails is left to the launch's own error, and a
+    process without such devices loads nothing."""
+    calls = []
+
+    class Lib:
+        def JaxMlaTritonLoadKernel(self, hip, ordinal, stream, image, size, h, name, shared,
+                                   fn, err, err_size):
+            calls.append((hip.value, ordinal.value, stream.value, bytes(image), size.value,
+                          h.value, name, shared.value))
+            return 7 if ordinal.value == 3 else 0  # device 3: the load fails
+
+    kb = _binary()
+    devices = [types.SimpleNamespace(id=i + 10, local_hardware_id=hw, platform="gpu")
+               for i, hw in enumerate([0, 3, None])]
+    monkeypatch.setattr(ffi_launch, "_library", lambda: Lib())
+    monkeypatch.setattr(ffi_launch, "_preloaded", set())
+    monkeypatch.setattr(jax, "local_devices",
+                        lambda backend=None: devices)
+    target = Target(platform, "sm_90" if platform == "cuda" else "gfx942", 132)
+    ffi_launch.preload(kb, target)
+    ffi_launch.preload(kb, target)  # once a kernel and device
+    hip = int(platform == "rocm")
+    assert calls == [(hip, o, None, kb.binary, len(kb.binary), kb.binary_hash, b"k", kb.shared)
+                     for o in (0, 3, 12)], calls  # no hardware id: the device's id
+    calls.clear()
+    monkeypatch.setattr(jax, "local_devices", lambda backend=None: (_ for _ in ()).throw(
+        RuntimeError("Unknown backend")))
+    ffi_launch.preload(_binary(name="other"), target)
+    assert calls == []  # no device of the platform: nothing loaded (ahead of time on CPU)
+
+    # launch() preloads what it compiled, while it traces
+    seen = []
+    monkeypatch.setattr(ffi_launch, "compile_kernel", lambda *a, **k: kb)
+    monkeypatch.setattr(ffi_launch, "check_device", lambda t: None)
+    monkeypatch.setattr(ffi_launch, "register", lambda platforms: None)
+    monkeypatch.setattr(ffi_launch, "preload", lambda k, t: seen.append((k, t)))
+    out = jax.ShapeDtypeStruct((4,), jnp.float32)
+    jax.eval_shape(lambda x: ffi_launch.launch(_reduce_kernel(), [x], grid=(1,),
+                                               out_shapes=[out], target=target),
+                   jnp.zeros(4, jnp.float32))
+    assert seen == [(kb, target)]
 
 
 @needs_library

@@ -549,6 +549,31 @@ def register_handlers(target: str, pack_target: str, symbols: str,
             _registered.add((target, platform))
 
 
+_PRELOAD_LOCK = threading.Lock()
+_preloaded: set = set()
+
+
+def preload(co_path: str, kernel_name: str) -> None:
+    """Load AITER's kernel now, while its launch is traced, on every local ROCm device (as the
+    Triton launcher's ``ffi_launch.preload``): the program's first execution, which XLA may
+    record into a command buffer by stream capture, then finds it loaded. A device it does not
+    load on is left to the launch's own error; a process without ROCm devices loads nothing."""
+    try:
+        devices = jax.local_devices(backend="rocm")
+    except RuntimeError:
+        return
+    with _PRELOAD_LOCK:
+        for d in devices:
+            ordinal = getattr(d, "local_hardware_id", None)
+            ordinal = d.id if ordinal is None else ordinal
+            if (co_path, kernel_name, ordinal) in _preloaded:
+                continue
+            _preloaded.add((co_path, kernel_name, ordinal))
+            err = ctypes.create_string_buffer(512)
+            _library().JaxMlaAiterLoadKernel(ctypes.c_int(ordinal), co_path.encode(),
+                                             kernel_name.encode(), err, ctypes.c_int(len(err)))
+
+
 def register(platforms=("ROCM", "cpu")) -> None:
     """Register the asm decode's handlers with XLA (idempotent; no GPU needed)."""
     register_handlers(TARGET_NAME, PACK_TARGET_NAME, "JaxMlaAiterAsm", platforms)
@@ -664,6 +689,8 @@ def stage1(q, kv, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, *, choice
             _empty(jnp.float32) if q_scale is None else _scalar(q_scale),
             _empty(jnp.float32) if kv_scale is None else _scalar(kv_scale),
             _empty(i32) if g_kv_indptr is None else g_kv_indptr.astype(i32)]
+    if not pack:
+        preload(choice.co_path, choice.kernel_name)
     call = jax.ffi.ffi_call(PACK_TARGET_NAME if pack else TARGET_NAME, tuple(shapes))
     return tuple(call(
         *args, co_path=choice.co_path, kernel_name=choice.kernel_name,

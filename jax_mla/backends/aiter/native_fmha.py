@@ -228,6 +228,8 @@ def stage(q, k, v, cu_seqlens_q, cu_seqlens_k, *, choice: FmhaChoice, scale: flo
               jax.ShapeDtypeStruct((h, tq) if return_lse else (0,), jnp.float32)]
     if pack:
         shapes.append(jax.ShapeDtypeStruct((PACK_BYTES,), jnp.uint8))
+    if not pack:
+        native.preload(choice.co_path, choice.kernel_name)
     call = jax.ffi.ffi_call(PACK_TARGET_NAME if pack else TARGET_NAME, tuple(shapes))
     return tuple(call(q, k, v, cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32),
                       co_path=choice.co_path, kernel_name=choice.kernel_name,

@@ -125,6 +125,8 @@ def stage1(q, k, v, qo_indptr, kv_indptr, kv_indices, work_indptr, work_info, *,
     i32 = jnp.int32
     scales = [native._empty(jnp.float32) if s is None else native._scalar(s)
               for s in (q_scale, k_scale, v_scale)]
+    if not pack:
+        native.preload(choice.co_path, choice.kernel_name)
     call = jax.ffi.ffi_call(PACK_TARGET_NAME if pack else TARGET_NAME, tuple(shapes))
     return tuple(call(q, k, v, qo_indptr.astype(i32), kv_indptr.astype(i32),
                       kv_indices.astype(i32), work_indptr.astype(i32), work_info.astype(i32),

@@ -435,6 +435,39 @@ def check_device(target: Target) -> None:
                          "not load on the other; plan for the device the step runs on")
 
 
+_PRELOAD_LOCK = threading.Lock()
+_preloaded: set = set()
+
+
+def preload(kb: KernelBinary, target: Target) -> None:
+    """Load ``kb`` now, while its launch is traced, into every local device of ``target``'s
+    platform (each device's primary context, which XLA's streams use), so that the program's
+    first execution finds it loaded: XLA may record that execution into a command buffer by
+    capturing its stream, where the handler would otherwise load it (with the thread's capture
+    mode relaxed, the fallback for an executable that was not traced in this process). A device
+    it does not load on is left to the launch's own error; a process with no such device
+    (lowering ahead of time on a CPU host) loads nothing."""
+    try:
+        devices = jax.local_devices(backend=target.platform)
+    except RuntimeError:
+        return
+    hip = int(target.platform == "rocm")
+    with _PRELOAD_LOCK:
+        for d in devices:
+            ordinal = getattr(d, "local_hardware_id", None)
+            ordinal = d.id if ordinal is None else ordinal
+            key = (kb.binary_hash, kb.name, hip, ordinal)
+            if key in _preloaded:
+                continue
+            _preloaded.add(key)
+            fn, err = ctypes.c_void_p(), ctypes.create_string_buffer(512)
+            _library().JaxMlaTritonLoadKernel(
+                ctypes.c_int(hip), ctypes.c_int(ordinal), ctypes.c_void_p(None), kb.binary,
+                ctypes.c_int64(len(kb.binary)), ctypes.c_int64(kb.binary_hash),
+                kb.name.encode(), ctypes.c_int(kb.shared), ctypes.byref(fn), err,
+                ctypes.c_int(len(err)))
+
+
 def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
     """The custom call's static attributes for launching ``kb`` on ``grid``; ``pdl``: launch it
     with programmatic dependent launch (CUDA: it may start while its predecessor on the stream
@@ -465,6 +498,7 @@ def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_ali
     dtypes = [a.dtype for a in arrays] + [s.dtype for s in out_shapes]
     kb = compile_kernel(kernel, dtypes, constexprs, target, num_warps=num_warps,
                         num_stages=num_stages, options=compile_options)
+    preload(kb, target)
     call = jax.ffi.ffi_call(TARGET_NAME, out_shapes,
                             input_output_aliases=dict(input_output_aliases or {}))
     # A kernel compiled to wait on its predecessor (the ``PDL`` constexpr of jax_mla's kernels)
