@@ -40,6 +40,8 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
 - ``JAX_MLA_FFI_INITIALIZE_STAGE=1``: our GPU targets also register an initialize stage that
   loads each kernel's module before the first launch; XLA then calls it for every call on every
   execution (a measurement knob; read when the targets are first registered).
+- ``JAX_MLA_FFI_PRELOAD=0``: kernels are not loaded when their launch is traced, only at their
+  first call (possibly inside XLA's capture of a command buffer; a knob to check that path).
 - ``JAX_MLA_CACHE_DIR``: where compiled kernels are kept (default ``~/.cache/jax_mla``).
 - ``JAX_MLA_AITER_SMALL_HEAD_MODE``: AITER below 16 heads, ``auto`` (default), ``gluon``, ``asm``.
 - ``JAX_MLA_POISON_OUTPUTS=1``: interpreted (CPU) kernels see their outputs filled with NaN / -1
@@ -84,6 +86,7 @@ ENV_VARS = (
     "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_TRITON_PDL", "JAX_MLA_TRITON_FP8_F16",
     "JAX_MLA_TRITON_FP8_QK", "JAX_MLA_TRITON_FP8_CONVERT_ONCE", "JAX_MLA_TRITON_POW2_HEAD_BLOCKS",
     "JAX_MLA_FFI_LIBRARY", "JAX_MLA_FFI_COMMAND_BUFFERS", "JAX_MLA_FFI_INITIALIZE_STAGE",
+    "JAX_MLA_FFI_PRELOAD",
     "JAX_MLA_CACHE_DIR",
     "JAX_MLA_AITER_SMALL_HEAD_MODE",
     "JAX_MLA_POISON_OUTPUTS", "TRITON_INTERPRET",

@@ -716,6 +716,85 @@ def test_ffi_and_jax_triton_launchers_agree_on_the_gpu(rng):
         np.testing.assert_array_equal(outs["ffi"], outs["jax_triton"])
 
 
+_LAZY_SCRIPT = """
+import os, sys
+import numpy as np, jax, jax.numpy as jnp
+import jax_mla
+from jax_mla.backends.triton import ffi_launch
+sys.path.insert(0, {tests!r})
+from conftest import make_case
+c = make_case(np.random.default_rng({seed}), seq_lens=[700, 1, 64, 300], qlen=1,
+              num_heads=16, page_size=64)
+q, cache = jnp.asarray(c.q, jnp.bfloat16), jnp.asarray(c.cache, jnp.bfloat16)
+md = jax_mla.build_decode_metadata(c.block_table, c.seq_lens, page_size=64, q=q, kv_cache=cache,
+                                   backend="triton")
+def chain(q, k, md):
+    outs = []
+    for _ in range(4):  # 12 of our calls: XLA records them into one command buffer
+        o = jax_mla.mla_attention(q, k, md, scale=c.scale)
+        outs.append(o)
+        q = q + 0 * o[..., :1].astype(q.dtype)
+    return jnp.stack(outs)
+out = jax.jit(chain)(q, cache, md)
+np.save({path!r}, np.asarray(out, np.float32))
+print("preloaded", len(ffi_launch._preloaded))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preload", ["1", "0"])
+def test_a_kernel_loaded_inside_a_command_buffer_capture_gives_the_same_answer(tmp_path, rng,
+                                                                               preload):
+    """On a GPU, in a fresh process: a chain of decode calls in one program (one command
+    buffer), its kernels loaded when the launch was traced (the default) or only at the first
+    execution, which XLA records by capturing its stream (``JAX_MLA_FFI_PRELOAD=0``): the
+    relaxed capture mode must let the load through, and the answer must match this process's,
+    bit for bit, and the oracle."""
+    import subprocess
+    import sys
+
+    from jax_mla.problem import current_platform
+
+    from conftest import make_case
+    from oracle import mla_decode, rel_err
+
+    if current_platform() not in ("cuda", "rocm") or not HAS_LIBRARY:
+        pytest.skip("needs a GPU and the launcher library")
+    seed = int(rng.integers(1 << 30))
+    path = str(tmp_path / "out.npy")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _LAZY_SCRIPT.format(tests=tests, seed=seed,
+                                                                  path=path)],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "JAX_MLA_FFI_PRELOAD": preload})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("preloaded 0" in r.stdout) == (preload == "0"), r.stdout
+    got = np.load(path)
+    c = make_case(np.random.default_rng(seed), seq_lens=[700, 1, 64, 300], qlen=1,
+                  num_heads=16, page_size=64)
+    q = jnp.asarray(c.q, jnp.bfloat16)
+    ref, _ = mla_decode(np.asarray(q, np.float32),
+                        np.asarray(jnp.asarray(c.cache, jnp.bfloat16), np.float32),
+                        c.block_table, c.seq_lens, qlen=1, page_size=64, scale=c.scale,
+                        kv_lora_rank=c.kv_lora_rank)
+    for i in range(4):
+        assert rel_err(got[i].astype(np.float64), ref) < 1e-2, i
+        np.testing.assert_array_equal(got[i], got[0])
+
+
+def test_preload_knob_leaves_loading_to_the_first_call(monkeypatch):
+    """``JAX_MLA_FFI_PRELOAD=0``: nothing is loaded while a launch is traced, by either
+    launcher (the device list is not even asked for)."""
+    from jax_mla.backends.aiter import native
+
+    monkeypatch.setenv("JAX_MLA_FFI_PRELOAD", "0")
+    monkeypatch.setattr(jax, "local_devices", lambda backend=None: pytest.fail("asked"))
+    monkeypatch.setattr(ffi_launch, "_library", lambda: pytest.fail("loaded"))
+    monkeypatch.setattr(native, "_library", lambda: pytest.fail("loaded"))
+    ffi_launch.preload(_binary(), Target("cuda", "sm_90", 132))
+    native.preload("/a.co", "k")
+
+
 def test_programmatic_dependent_launch_follows_the_kernels_pdl_constexpr():
     kb = _binary(0)
     assert ffi_launch.launch_attributes(kb, (1,))["pdl"] == 0

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mla import env
 from jax_mla import heads as _heads
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.planner import fold_rows, reduce_plan_reference, unfold_rows
@@ -557,7 +558,10 @@ def preload(co_path: str, kernel_name: str) -> None:
     """Load AITER's kernel now, while its launch is traced, on every local ROCm device (as the
     Triton launcher's ``ffi_launch.preload``): the program's first execution, which XLA may
     record into a command buffer by stream capture, then finds it loaded. A device it does not
-    load on is left to the launch's own error; a process without ROCm devices loads nothing."""
+    load on is left to the launch's own error; a process without ROCm devices loads nothing
+    (nor one with ``JAX_MLA_FFI_PRELOAD=0``)."""
+    if not env.read_flag("JAX_MLA_FFI_PRELOAD", True):
+        return
     try:
         devices = jax.local_devices(backend="rocm")
     except RuntimeError:

@@ -446,7 +446,12 @@ def preload(kb: KernelBinary, target: Target) -> None:
     capturing its stream, where the handler would otherwise load it (with the thread's capture
     mode relaxed, the fallback for an executable that was not traced in this process). A device
     it does not load on is left to the launch's own error; a process with no such device
-    (lowering ahead of time on a CPU host) loads nothing."""
+    (lowering ahead of time on a CPU host) loads nothing. ``JAX_MLA_FFI_PRELOAD=0`` leaves every
+    load to the first call (a knob to check that path on a GPU)."""
+    from jax_mla import env
+
+    if not env.read_flag("JAX_MLA_FFI_PRELOAD", True):
+        return
     try:
         devices = jax.local_devices(backend=target.platform)
     except RuntimeError:
