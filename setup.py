@@ -31,6 +31,7 @@ setup(
         Extension(
             "jax_mla._triton_launch",
             sources=["ffi/triton_launch.cc", "ffi/aiter_asm.cc"],
+            depends=["ffi/relaxed_capture.h"],
             language="c++",
             extra_compile_args=["-std=c++17", "-O2", "-g0", "-fvisibility=hidden"],
             libraries=["dl"],

@@ -50,6 +50,7 @@
 #include <tuple>
 #include <utility>
 
+#include "relaxed_capture.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -212,24 +213,6 @@ class ScopedDevice {
   bool restore_ = false;
 };
 
-// The calling thread's stream-capture mode relaxed (hipStreamCaptureModeRelaxed, 2) for the
-// life of the object, then restored: a module load is not a stream operation, but a capture in
-// global or thread-local mode refuses it.
-class RelaxedCapture {
- public:
-  explicit RelaxedCapture(const Hip& hip) : exchange_(hip.exchange_capture_mode) {
-    active_ = exchange_ != nullptr && exchange_(&mode_) == 0;
-  }
-  ~RelaxedCapture() {
-    if (active_) exchange_(&mode_);
-  }
-
- private:
-  HipResult (*exchange_)(int* mode);
-  int mode_ = 2;
-  bool active_ = false;
-};
-
 // Functions by (device ordinal, code object path, kernel name); a hit allocates nothing (the
 // map's comparator takes the views).
 using FunctionKey = std::tuple<int32_t, std::string, std::string>;
@@ -255,7 +238,7 @@ ffi::ErrorOr<void*> GetFunction(int32_t device, std::string_view co_path,
         "jax_mla: AITER's asm MLA kernel file " + path + " (for " + name + ") cannot be read: "
         "the AITER install is incomplete or AITER_ASM_DIR points elsewhere"));
   }
-  RelaxedCapture relaxed(hip);
+  RelaxedCapture relaxed(hip.exchange_capture_mode);
   ScopedDevice scoped(hip, device);
   void* module = nullptr;
   if (HipResult r = hip.module_load(&module, path.c_str()); r != 0) {

@@ -42,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "relaxed_capture.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -217,27 +218,6 @@ std::mutex cache_mutex;
 std::unordered_map<FunctionKey, std::vector<std::pair<std::string, void*>>, FunctionKeyHash>
     function_cache;
 
-// CUstreamCaptureMode / hipStreamCaptureMode: RELAXED is 2 in both.
-constexpr int kCaptureModeRelaxed = 2;
-
-// The calling thread's stream-capture mode relaxed for the life of the object (then restored):
-// a module load is one of the calls a capture in global or thread-local mode refuses. It is not
-// a stream operation, so nothing of it enters the captured graph.
-class RelaxedCapture {
- public:
-  explicit RelaxedCapture(const Driver& d) : exchange_(d.exchange_capture_mode) {
-    active_ = exchange_ != nullptr && exchange_(&mode_) == 0;
-  }
-  ~RelaxedCapture() {
-    if (active_) exchange_(&mode_);
-  }
-
- private:
-  Result (*exchange_)(int* mode);
-  int mode_ = kCaptureModeRelaxed;
-  bool active_ = false;
-};
-
 // CUDA's attribute for more than 48 KiB of dynamic shared memory.
 constexpr int kMaxDynamicSharedBytes = 8;
 
@@ -294,7 +274,7 @@ ffi::ErrorOr<void*> GetFunction(const Driver& d, void* stream, int32_t device, c
   for (const auto& [name, function] : loaded) {
     if (name == l.name) return function;
   }
-  RelaxedCapture relaxed(d);
+  RelaxedCapture relaxed(d.exchange_capture_mode);
   ScopedDevice scoped(d, scope, device);
   // The image must outlive the module load only; copy it (attribute storage is not ours).
   std::vector<uint8_t> image(l.binary.begin(), l.binary.end());
