@@ -363,7 +363,7 @@ def stage_launcher_tests(_):
     log("FFI library", lib)
     env = dict(JAX_MLA_FFI_LIBRARY=lib)
     _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ffi_launch.py",
-             "tests/test_schedule.py", "-k", "ffi or launch or planning_kernel"], 240,
+             "tests/test_schedule.py", "-k", "ffi or launch or planning_kernel"], 360,
             "FFI launcher and planning kernel tests", **env)
 
 
