@@ -110,7 +110,8 @@ def _launcher_checks(target) -> list[dict]:
     if reason is not None:
         return [dict(check="FFI launcher", status=FAIL if target.gpu else WARN,
                      detail=f"{reason} (on CPU the Triton interpreter runs without it)")]
-    rows = [dict(check="FFI launcher", status=OK, detail=f"{ffi_launch.library_path()}")]
+    rows = [dict(check="FFI launcher", status=OK,
+                 detail=f"{ffi_launch.library_path()} ({ffi_launch.launch_mode()})")]
     if target.gpu:
         err = ffi_launch.driver_error(target.platform)
         rows[-1].update(status=FAIL if err else OK,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import jax_mla
 from jax_mla import doctor
@@ -51,3 +52,26 @@ def test_the_doctor_checks_an_installed_aiter_against_the_manifest():
     assert rows[0]["check"] == "aiter API" and rows[0]["status"] == "ok", rows
     assert "matches the manifest pinned at ROCm/aiter e4048607" in rows[0]["detail"], rows
     assert np.all([r["status"] != "FAIL" for r in rows])
+
+
+def test_the_doctor_says_how_the_launcher_is_registered(monkeypatch):
+    """The FFI launcher's row says which stages are registered, whether XLA may put the calls
+    in command buffers and when kernels load, with the measurement knob that changed it."""
+    from jax_mla.backends.triton import ffi_launch
+    from jax_mla.problem import detect_target
+
+    if ffi_launch.unavailable_reason() is not None:
+        pytest.skip(ffi_launch.unavailable_reason())
+    for knob in ("JAX_MLA_FFI_INITIALIZE_STAGE", "JAX_MLA_FFI_COMMAND_BUFFERS",
+                 "JAX_MLA_FFI_PRELOAD"):
+        monkeypatch.delenv(knob, raising=False)
+    [row] = [r for r in doctor._launcher_checks(detect_target()) if r["check"] == "FFI launcher"]
+    assert ("execute stage only, command-buffer compatible, kernels load when traced"
+            in row["detail"]), row
+    monkeypatch.setenv("JAX_MLA_FFI_INITIALIZE_STAGE", "1")
+    monkeypatch.setenv("JAX_MLA_FFI_COMMAND_BUFFERS", "0")
+    monkeypatch.setenv("JAX_MLA_FFI_PRELOAD", "0")
+    [row] = [r for r in doctor._launcher_checks(detect_target()) if r["check"] == "FFI launcher"]
+    for words in ("initialize + execute stages", "JAX_MLA_FFI_COMMAND_BUFFERS=0",
+                  "JAX_MLA_FFI_PRELOAD=0"):
+        assert words in row["detail"], row

@@ -129,6 +129,20 @@ def handler_stages(capsule) -> dict:
     return stages
 
 
+def launch_mode() -> str:
+    """How this process registers and loads the GPU targets, in words (for ``doctor``): the
+    stages, whether XLA may put the calls in command buffers, and when kernels load."""
+    from jax_mla import env
+
+    stages = ("initialize + execute stages" if env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
+              else "execute stage only")
+    graphs = ("command-buffer compatible" if env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True)
+              else "outside command buffers (JAX_MLA_FFI_COMMAND_BUFFERS=0)")
+    loads = ("kernels load when traced" if env.read_flag("JAX_MLA_FFI_PRELOAD", True)
+             else "kernels load at their first call (JAX_MLA_FFI_PRELOAD=0)")
+    return f"{stages}, {graphs}, {loads}"
+
+
 _REGISTER_LOCK = threading.Lock()
 _registered: set[str] = set()
 
