@@ -178,8 +178,10 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
     from jax_mla.bench.timing import chained
 
     calls = {spec: attention_call(Shape.parse(spec), np.random.default_rng(0)) for spec in specs}
-    inside = os.environ.get("JAX_MLA_FFI_COMMAND_BUFFERS", "1") != "0"
-    initialize = os.environ.get("JAX_MLA_FFI_INITIALIZE_STAGE", "0") not in ("", "0")
+    from jax_mla import env
+
+    inside = env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True)
+    initialize = env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
     rows = []
     for spec, (fn, args) in calls.items():
         for n in ns:

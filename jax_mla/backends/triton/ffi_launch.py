@@ -12,9 +12,10 @@ How a kernel becomes a custom call (``docs/launcher.md`` has the whole story):
 2. :func:`launch` emits one ``stablehlo.custom_call @jax_mla_triton`` (api_version 4, the typed
    FFI) with the binary and its launch parameters as static attributes.
 3. At run time the handler registered for the platform (``CUDA`` or ``ROCM``, see
-   :func:`register`) loads the module once per device, at the first call, and launches
-   it on XLA's stream with ``cuLaunchKernel`` / ``hipModuleLaunchKernel``. The handler is marked
-   command-buffer compatible, so XLA may capture it in a CUDA graph.
+   :func:`register`) finds the module loaded once per device (when the launch was traced,
+   :func:`preload`, else it loads it at the first call) and launches it on XLA's stream with
+   ``cuLaunchKernel`` / ``hipModuleLaunchKernel``. The handler is marked command-buffer
+   compatible, so XLA may capture it in a CUDA graph.
 
 The kernel's parameters are its operands, then its results, then the hidden ones (null); an
 output aliased to an input reuses its buffer and still appears twice (jax-triton's convention,
@@ -114,13 +115,14 @@ def command_buffer_traits():
 
 
 def handler_stages(capsule) -> dict:
-    """The stages a GPU target registers: ``execute`` only, which loads its module at the first
-    call (the handlers relax the thread's stream-capture mode for that load, so it may happen
-    while XLA records a command buffer). XLA calls an initialize stage for every custom call on
-    every execution of the program, command buffer or not, which is host time a step's command
-    buffer cannot hide; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` registers it too (the module then
-    loads a step ahead of the first launch: a measurement knob, read when the targets are first
-    registered). ``capsule(stage)`` gives a stage's handler (``"Initialize"`` or ``"Execute"``)."""
+    """The stages a GPU target registers: ``execute`` only, which finds its module loaded by
+    :func:`preload` or loads it at the first call (the handlers relax the thread's
+    stream-capture mode for that load, so it may happen while XLA records a command buffer).
+    XLA calls an initialize stage for every custom call on every execution of the program,
+    command buffer or not, which is host time a step's command buffer cannot hide;
+    ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` registers it too (a measurement knob, read when the
+    targets are first registered). ``capsule(stage)`` gives a stage's handler
+    (``"Initialize"`` or ``"Execute"``)."""
     from jax_mla import env
 
     stages = {"execute": capsule("Execute")}
