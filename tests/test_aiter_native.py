@@ -145,7 +145,7 @@ def test_a_traced_launch_preloads_the_code_object_on_each_rocm_device(monkeypatc
     devices = [types.SimpleNamespace(id=5, local_hardware_id=1),
                types.SimpleNamespace(id=6, local_hardware_id=None)]
     monkeypatch.setattr(native, "_library", lambda: Lib())
-    monkeypatch.setattr(native, "_preloaded", set())
+    monkeypatch.setattr(ffi_launch, "_preloaded", set())
     monkeypatch.setattr(jax, "local_devices", lambda backend=None: devices)
     native.preload("/aiter/hsa/gfx942/mla/a.co", "mla_a")
     native.preload("/aiter/hsa/gfx942/mla/a.co", "mla_a")

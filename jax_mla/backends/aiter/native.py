@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla import env
 from jax_mla import heads as _heads
 from jax_mla.backends.aiter import capabilities as caps
 from jax_mla.backends.aiter.planner import fold_rows, reduce_plan_reference, unfold_rows
@@ -550,32 +549,20 @@ def register_handlers(target: str, pack_target: str, symbols: str,
             _registered.add((target, platform))
 
 
-_PRELOAD_LOCK = threading.Lock()
-_preloaded: set = set()
-
-
 def preload(co_path: str, kernel_name: str) -> None:
     """Load AITER's kernel now, while its launch is traced, on every local ROCm device (as the
     Triton launcher's ``ffi_launch.preload``): the program's first execution, which XLA may
     record into a command buffer by stream capture, then finds it loaded. A device it does not
     load on is left to the launch's own error; a process without ROCm devices loads nothing
     (nor one with ``JAX_MLA_FFI_PRELOAD=0``)."""
-    if not env.read_flag("JAX_MLA_FFI_PRELOAD", True):
-        return
-    try:
-        devices = jax.local_devices(backend="rocm")
-    except RuntimeError:
-        return
-    with _PRELOAD_LOCK:
-        for d in devices:
-            ordinal = getattr(d, "local_hardware_id", None)
-            ordinal = d.id if ordinal is None else ordinal
-            if (co_path, kernel_name, ordinal) in _preloaded:
-                continue
-            _preloaded.add((co_path, kernel_name, ordinal))
-            err = ctypes.create_string_buffer(512)
-            _library().JaxMlaAiterLoadKernel(ctypes.c_int(ordinal), co_path.encode(),
-                                             kernel_name.encode(), err, ctypes.c_int(len(err)))
+    from jax_mla.backends.triton import ffi_launch
+
+    def load(ordinal):
+        err = ctypes.create_string_buffer(512)
+        _library().JaxMlaAiterLoadKernel(ctypes.c_int(ordinal), co_path.encode(),
+                                         kernel_name.encode(), err, ctypes.c_int(len(err)))
+
+    ffi_launch.preload_on_devices("rocm", (co_path, kernel_name), load)
 
 
 def register(platforms=("ROCM", "cpu")) -> None:

@@ -464,29 +464,39 @@ def preload(kb: KernelBinary, target: Target) -> None:
     it does not load on is left to the launch's own error; a process with no such device
     (lowering ahead of time on a CPU host) loads nothing. ``JAX_MLA_FFI_PRELOAD=0`` leaves every
     load to the first call (a knob to check that path on a GPU)."""
+    hip = int(target.platform == "rocm")
+
+    def load(ordinal):
+        fn, err = ctypes.c_void_p(), ctypes.create_string_buffer(512)
+        _library().JaxMlaTritonLoadKernel(
+            ctypes.c_int(hip), ctypes.c_int(ordinal), ctypes.c_void_p(None), kb.binary,
+            ctypes.c_int64(len(kb.binary)), ctypes.c_int64(kb.binary_hash), kb.name.encode(),
+            ctypes.c_int(kb.shared), ctypes.byref(fn), err, ctypes.c_int(len(err)))
+
+    preload_on_devices(target.platform, (kb.binary_hash, kb.name), load)
+
+
+def preload_on_devices(platform: str, key: tuple, load) -> None:
+    """``load(ordinal)`` once per ``key`` and local device of ``platform`` (``cuda`` or
+    ``rocm``; its hardware ordinal, the one XLA's handlers see), in this process: what
+    :func:`preload` and the AITER handlers' ``native.preload`` share. Nothing without such
+    devices or with ``JAX_MLA_FFI_PRELOAD=0``; a load's own failure is left to the launch."""
     from jax_mla import env
 
     if not env.read_flag("JAX_MLA_FFI_PRELOAD", True):
         return
     try:
-        devices = jax.local_devices(backend=target.platform)
+        devices = jax.local_devices(backend=platform)
     except RuntimeError:
         return
-    hip = int(target.platform == "rocm")
     with _PRELOAD_LOCK:
         for d in devices:
             ordinal = getattr(d, "local_hardware_id", None)
             ordinal = d.id if ordinal is None else ordinal
-            key = (kb.binary_hash, kb.name, hip, ordinal)
-            if key in _preloaded:
+            if (platform, *key, ordinal) in _preloaded:
                 continue
-            _preloaded.add(key)
-            fn, err = ctypes.c_void_p(), ctypes.create_string_buffer(512)
-            _library().JaxMlaTritonLoadKernel(
-                ctypes.c_int(hip), ctypes.c_int(ordinal), ctypes.c_void_p(None), kb.binary,
-                ctypes.c_int64(len(kb.binary)), ctypes.c_int64(kb.binary_hash),
-                kb.name.encode(), ctypes.c_int(kb.shared), ctypes.byref(fn), err,
-                ctypes.c_int(len(err)))
+            _preloaded.add((platform, *key, ordinal))
+            load(ordinal)
 
 
 def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
