@@ -91,6 +91,7 @@ AMD_SIMDS, AMD_VGPRS, AMD_VGPR_UNIT, AMD_WAVES_PER_SIMD = 4, 512, 8, 8
 TILE_KEYS = {
     "mla_decode_kernel": ("HB", "NUM_HB", "BLOCK_M", "BLOCK_N", "WG_SPLIT"),
     "mla_decode_sm90_kernel": ("HB", "NUM_HB"),
+    "mla_decode_sm90_fp8_kernel": ("HB", "NUM_HB"),
     "mla_reduce_affine_kernel": ("BLOCK_H", "BLOCK_S", "BLOCK_L"),
     "mla_reduce_kernel": ("BLOCK_H", "BLOCK_S", "BLOCK_L"),
     "mla_plan_kernel": ("CB", "CP", "CW"),

@@ -33,6 +33,8 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   it (per product), rather than once where it was loaded (CUDA).
 - ``JAX_MLA_TRITON_POW2_HEAD_BLOCKS=0``: split heads take as many a block as the rows allow,
   rather than a power of two where that needs no more blocks.
+- ``JAX_MLA_TRITON_SM90_FP8=1``: an fp8 query against an fp8 cache goes through the Gluon
+  two-warpgroup kernel on Hopper (fp8 wgmma scores) rather than the Triton 64-row tile.
 - ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
 - ``JAX_MLA_FFI_COMMAND_BUFFERS=0``: our FFI targets are registered without the command-buffer
   trait, so XLA launches them outside its command buffers (a measurement knob; read when the
@@ -85,6 +87,7 @@ ENV_VARS = (
     "JAX_MLA_TRITON_REDUCE_BLOCK_L", "JAX_MLA_SPLIT_PLAN", "JAX_MLA_TRITON_PLANNER",
     "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_TRITON_PDL", "JAX_MLA_TRITON_FP8_F16",
     "JAX_MLA_TRITON_FP8_QK", "JAX_MLA_TRITON_FP8_CONVERT_ONCE", "JAX_MLA_TRITON_POW2_HEAD_BLOCKS",
+    "JAX_MLA_TRITON_SM90_FP8",
     "JAX_MLA_FFI_LIBRARY", "JAX_MLA_FFI_COMMAND_BUFFERS", "JAX_MLA_FFI_INITIALIZE_STAGE",
     "JAX_MLA_FFI_PRELOAD",
     "JAX_MLA_CACHE_DIR",

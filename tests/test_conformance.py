@@ -325,6 +325,45 @@ def test_triton_fp8_64_row_tiles_at_every_head_block(rng, monkeypatch, num_heads
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
+@pytest.mark.parametrize("num_heads, qlen, page_size, kv_dtype", [
+    (128, 1, 64, "float8_e4m3fn"), (16, 4, 16, "float8_e4m3fn"), (16, 5, 1, "float8_e5m2"),
+    (32, 2, 128, "float8_e4m3fn")])
+def test_sm90_fp8_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, page_size,
+                                          kv_dtype):
+    """The Gluon fp8 kernel (``JAX_MLA_TRITON_SM90_FP8=1``, ``kernels/gluon/decode_sm90_fp8.py``)
+    on long, ragged requests cut anywhere by the line plan (splits, programs with several works,
+    odd numbers of tiles, requests shorter than the verify block, an empty one), both scales:
+    against the oracle, LSE included, and against the Triton 64-row tile. Gluon kernels have no
+    interpreter: this runs on a Hopper GPU (its compile is checked on CPU in
+    ``test_gluon_sm90.py``)."""
+    from jax_mla.backends.triton import decode as tdecode
+    from jax_mla.problem import detect_target
+
+    if not detect_target().hopper:
+        pytest.skip("the Gluon fp8 kernel runs on Hopper GPUs (Gluon has no interpreter)")
+    monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "line")
+    case = make_case(rng, seq_lens=[9011, 0, qlen - 1, 4321, 777, 64, 129, 3000], qlen=qlen,
+                     num_heads=num_heads, page_size=page_size)
+    seen = []
+    real = tdecode._sm90_kernel
+    monkeypatch.setattr(tdecode, "_sm90_kernel", lambda fp8: seen.append(fp8) or real(fp8))
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("JAX_MLA_TRITON_SM90_FP8", flag)  # read at planning
+        out, lse, wo, wl = run(case, "triton", jnp.bfloat16, q_dtype=jnp.float8_e4m3fn,
+                               q_scale=0.02, kv_dtype=jnp.dtype(kv_dtype), kv_scale=0.05)
+        check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+        finite = np.isfinite(wl)
+        assert np.max(np.abs(np.asarray(lse)[finite] - wl[finite])) < 2e-3
+        outs[flag] = (np.asarray(out, np.float32), np.asarray(lse))
+    assert seen == [True], seen  # the Gluon fp8 kernel, then the Triton tile
+    np.testing.assert_allclose(outs["1"][0], outs["0"][0], rtol=2e-2, atol=2e-2)
+    finite = np.isfinite(outs["0"][1])
+    assert np.array_equal(finite, np.isfinite(outs["1"][1]))
+    assert np.max(np.abs(outs["1"][1][finite] - outs["0"][1][finite])) < 1e-4
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
 @pytest.mark.parametrize("num_heads, qlen, page_size", [(128, 1, 64), (16, 4, 16), (32, 1, 1)])
 def test_triton_64_row_tiles_long_ragged_bf16(rng, monkeypatch, num_heads, qlen, page_size):
     """Long, ragged requests in bf16: on a GPU, KV ranges split over many programs, programs

@@ -77,6 +77,11 @@ def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, i
                         lambda name, fn, platform, **kw: seen.append((name, platform, fn)))
     monkeypatch.setattr(ffi_launch, "_registered", set())
     monkeypatch.setattr(native, "_registered", set())
+    # Symbol names stand in for the handlers: a GPU machine's build of the library has only
+    # its own platform's handlers (the CUDA build lacks ``...Rocm``).
+    monkeypatch.setattr(ffi_launch, "_capsule", lambda symbol: symbol)
+    monkeypatch.setattr(native, "_library", lambda: _SymbolNames())
+    monkeypatch.setattr(jax.ffi, "pycapsule", lambda fn: fn)
     ffi_launch.register()
     native.register_handlers(native.TARGET_NAME, native.PACK_TARGET_NAME, "JaxMlaAiterAsm",
                              ("ROCM",))
@@ -86,6 +91,17 @@ def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, i
         (native.TARGET_NAME, "ROCM")}
     want = {"execute", "initialize"} if initialize else {"execute"}
     assert all(isinstance(fn, dict) and set(fn) == want for _, _, fn in gpu), gpu
+    # Each stage is that platform's exported handler of that stage.
+    for _, platform, fn in gpu:
+        suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
+        assert all(sym.endswith(stage.capitalize() + suffix) for stage, sym in fn.items()), fn
+
+
+class _SymbolNames:
+    """A handler library whose every symbol is its own name."""
+
+    def __getattr__(self, name):
+        return name
 
 
 _FAKE_DRIVER = r"""

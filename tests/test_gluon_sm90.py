@@ -57,6 +57,46 @@ def test_sm90_kernel_compiles_to_its_design():
     assert r["h128_no_l2_hints"]["evict_last_stores"] == 0 < r["h128_no_l2_hints"]["stores"]
 
 
+FP8_SCRIPT = r"""
+import json
+from jax_mla.backends.triton.aot import sm90_compile_report
+from jax_mla.backends.triton.compiler import ptxas_stats
+from triton.backends.compiler import GPUTarget
+out = {}
+for name, h, q, page, kv in [("h128", 128, 1, 64, "fp8e4nv"), ("q5_page16", 16, 5, 16, "fp8e4nv"),
+                             ("h32_q2_page1_e5m2", 32, 2, 1, "fp8e5")]:
+    r = sm90_compile_report(h, q, page, fp8=kv)
+    out[name] = dict(shared=r["shared"], num_warps=r["num_warps"], wgmma=r["wgmma"],
+                     setmaxnreg=r["ptx"].count("setmaxnreg"), block_n=r["config"].block_n,
+                     f16_cvt=r["ptx"].count("cvt.rn.f16x2.e"),
+                     **ptxas_stats(r["ptx"], GPUTarget("cuda", 90, 32)))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
+def test_sm90_fp8_kernel_compiles_to_its_design():
+    """The fp8 kernel (``decode_sm90_fp8.py``): fp8 wgmma scores (k = 32), float16 ``P @ V``
+    from the converted halves of ``V``, in about 189 KiB, with no spills under this triton's
+    ptxas (the Triton 64-row fp8 tile spills under triton 3.9's)."""
+    from jax_mla.backends.triton.plan import gluon_available as _gluon_available
+
+    if not _gluon_available():
+        pytest.skip("this triton's Gluon lacks the sm_90 kernel's API")
+    r = run_compiler_script(FP8_SCRIPT, timeout=600)
+    for name, k in r.items():
+        assert k["num_warps"] == 8 and k["setmaxnreg"] > 0, (name, k)
+        # fp8 Q (36 KiB), two fp8 KV tiles (72), two float16 V halves (64), two float16 P
+        # buffers (16) and the exchange vectors.
+        assert 188 * 1024 < k["shared"] <= 192 * 1024, (name, k)
+        # Each warpgroup: Q @ K^T of its own tile in fp8 (576 / 32 = 18 k-steps), and P @ V
+        # for both tiles on its 256 columns in float16 (64 / 16 = 4 k-steps each).
+        assert k["wgmma"] == {"m64n64k32": 2 * 18, "m64n256k16": 2 * 2 * 4}, (name, k)
+        assert k["f16_cvt"] > 0, (name, k)  # the cache's V halves, in one instruction a pair
+        assert k["block_n"] == 128
+        assert k["spills"] == 0 and k["registers"] <= 255, (name, k)
+
+
 def test_jax_triton_bridge_compiles_gluon_kernels_and_restores(monkeypatch):
     """``_compile_gluon`` on a stand-in of jax-triton's ``triton_lib`` (jax-triton cannot be
     imported without a GPU jaxlib): the Gluon source class, the Gluon IR entry, the stage swap

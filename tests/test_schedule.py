@@ -200,6 +200,43 @@ def test_sm90_kernel_knob_and_rules(monkeypatch):
     assert not sm90_supported(bf, jnp.float8_e4m3fn, 512, 64, True)  # fp8 cache, kv scale
     assert not sm90_supported(bf, bf, 256, 64, False)  # not DeepSeek geometry
     assert not sm90_supported(bf, bf, 512, 64, True)
+    # The fp8 kernel: an fp8 query against an fp8 cache, scales allowed, where asked for.
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    assert sm90_supported(e4, e4, 512, 64, True, fp8=True)
+    assert sm90_supported(e4, e5, 512, 64, False, fp8=True)
+    assert not sm90_supported(e4, e4, 512, 64, True)  # not asked for
+    assert not sm90_supported(e4, e4, 256, 64, True, fp8=True)
+    assert not sm90_supported(bf, e4, 512, 64, True, fp8=True)  # a bf16 query: the Triton tile
+
+
+@pytest.mark.parametrize("knob, page_size, want", [
+    ("1", 64, True), ("1", 16, True), ("1", 1, True), ("1", 128, True),
+    ("1", 8, False), ("1", 32, False), ("0", 64, False), (None, 64, False)])
+def test_sm90_fp8_kernel_plan(monkeypatch, knob, page_size, want):
+    """``JAX_MLA_TRITON_SM90_FP8=1`` plans the Gluon fp8 kernel for an fp8 query and cache on
+    Hopper at 64-row tiles and the page sizes it compiles cleanly for; its plan takes the cache
+    scale (the bf16 Gluon kernel's does not); off, the default, or at other page sizes: the
+    Triton 64-row tile. Not with fp8 scores off, nor for 16-row tiles."""
+    from jax_mla.backends.triton.plan import make_plan
+    from jax_mla.problem import DecodeProblem, Target
+
+    if knob is None:
+        monkeypatch.delenv("JAX_MLA_TRITON_SM90_FP8", raising=False)
+    else:
+        monkeypatch.setenv("JAX_MLA_TRITON_SM90_FP8", knob)
+    def plan(heads, qlen, **kw):
+        problem = DecodeProblem(num_seqs=4, qlen=qlen, num_heads=heads, page_size=page_size,
+                                max_pages=8, kv_lora_rank=512, rope_dim=64,
+                                q_dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn",
+                                target=Target("cuda", "sm_90", 132), has_kv_scale=True, **kw)
+        return make_plan("triton", problem), problem
+
+    p, problem = plan(128, 1)
+    assert p.kernel.sm90 is want and p.kernel.block_m == 64
+    assert p.mismatches(problem) == []
+    assert not plan(16, 1)[0].kernel.sm90  # a 16-row tile
+    monkeypatch.setenv("JAX_MLA_TRITON_FP8_QK", "0")
+    assert not plan(128, 1)[0].kernel.sm90
 
 
 def test_rocm_splits_32_rows_into_two_16_row_blocks():

@@ -38,12 +38,13 @@ def wgmma_shapes(ptx: str) -> dict:
         re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
 
 
-def _bf16_signature(consts: dict) -> dict:
-    """Signature, constexprs and alignment attributes of a bf16 decode launch (both kernels take
-    the same arrays), for ahead-of-time compiles."""
+def _bf16_signature(consts: dict, q: str = "bf16", kv: str = "bf16") -> dict:
+    """Signature, constexprs and alignment attributes of a decode launch (every decode kernel
+    takes the same arrays; a bf16 query and cache unless ``q`` / ``kv`` name Triton types such
+    as ``fp8e4nv``; the output is bf16), for ahead-of-time compiles."""
     names = ("q_ptr", "kv_ptr", "bt_ptr", "kv_indptr_ptr", "work_indptr_ptr", "work_ptr",
              "kv_scale_ptr", "out_ptr", "lse_ptr", "part_out_ptr", "part_lse_ptr")
-    types = ["*bf16", "*bf16"] + ["*i32"] * 4 + ["*fp32", "*bf16"] + ["*fp32"] * 3
+    types = [f"*{q}", f"*{kv}"] + ["*i32"] * 4 + ["*fp32", "*bf16"] + ["*fp32"] * 3
     return dict(signature=dict(zip(names, types)) | dict.fromkeys(consts, "constexpr"),
                 constexprs=consts,
                 attrs={(i,): [["tt.divisibility", 16]] for i in range(len(names))})
@@ -74,23 +75,31 @@ def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_spl
 
 
 def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
-                        arch: int = 90) -> dict:
-    """Compile the bf16 Gluon sm_90 decode kernel as the backend would (no GPU needed).
+                        arch: int = 90, fp8: str | None = None) -> dict:
+    """Compile a Gluon sm_90 decode kernel as the backend would (no GPU needed): the bf16 one,
+    or with ``fp8`` (the cache's Triton type, ``fp8e4nv`` or ``fp8e5``) the fp8 one, an e4m3
+    query with both scales.
 
     Returns ``{"shared": bytes, "num_warps": total warps, "wgmma": {shape: count in the PTX},
     "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
     """
     from triton.backends.compiler import GPUTarget
 
-    from jax_mla.kernels.gluon import decode_sm90
+    from jax_mla.backends.triton.decode import _sm90_kernel
 
     _check_compiler()
-    cfg = kernel_config(num_heads, qlen, page_size, "cuda")
+    kv_dtype = None if fp8 is None else jnp.float8_e4m3fn
+    cfg = kernel_config(num_heads, qlen, page_size, "cuda", kv_dtype=kv_dtype)
     if not cfg.sm90:
         raise ValueError(f"{num_heads} heads x Q={qlen} is not served by the sm_90 kernel")
     consts = sm90_constexprs(cfg, num_heads=num_heads, qlen=qlen, page_size=page_size,
                              max_pages=64, kv_lora_rank=512, rope_dim=64, scale=1 / 192 ** 0.5)
-    cc, _ = compile_for_target(decode_sm90.mla_decode_sm90_kernel, **_bf16_signature(consts),
+    types = {}
+    if fp8 is not None:
+        consts |= dict(HAS_KV_SCALE=True, HAS_Q_SCALE=True)
+        types = dict(q="fp8e4nv", kv=fp8)
+    cc, _ = compile_for_target(_sm90_kernel(fp8 is not None),
+                               **_bf16_signature(consts, **types),
                                target=GPUTarget("cuda", arch, 32), num_warps=cfg.num_warps)
     return dict(shared=cc.metadata.shared, num_warps=cc.metadata.num_warps,
                 wgmma=wgmma_shapes(cc.asm["ptx"]), ptx=cc.asm["ptx"], config=cfg)

@@ -31,10 +31,14 @@ def _kernels():
     return decode
 
 
-def _sm90_kernels():
+def _sm90_kernel(fp8: bool):
+    if fp8:
+        from jax_mla.kernels.gluon import decode_sm90_fp8
+
+        return decode_sm90_fp8.mla_decode_sm90_fp8_kernel
     from jax_mla.kernels.gluon import decode_sm90
 
-    return decode_sm90
+    return decode_sm90.mla_decode_sm90_kernel
 
 
 def fp8_f16_mma(plan: TritonPlan, q_dtype, kv_dtype) -> bool:
@@ -89,8 +93,11 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     shape = dict(num_heads=h, qlen=md.qlen, page_size=md.page_size, max_pages=md.max_pages,
                  kv_lora_rank=lr, rope_dim=rd, scale=scale, num_pages=kv_cache.shape[0])
     if cfg.sm90:
-        kernel = _sm90_kernels().mla_decode_sm90_kernel
+        # The plan takes the Gluon kernel for an fp8 query only with fp8 scores (``sm90_fp8``).
+        kernel = _sm90_kernel(fp8_qk)
         consts = sm90_constexprs(cfg, **shape)
+        if fp8_qk:
+            consts |= dict(HAS_KV_SCALE=has_scale, HAS_Q_SCALE=q_scale is not None)
     else:
         kernel = _kernels().mla_decode_kernel
         consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,

@@ -45,6 +45,7 @@ from jax_mla import env
 from jax_mla.backends.base import DecodePlan
 from jax_mla.backends.triton.launch import LAUNCHERS, resolve_launcher
 from jax_mla.backends.triton.schedule import PLAN_MODES
+from jax_mla.cache import is_fp8
 from jax_mla.problem import DecodeProblem, Target, as_target
 
 LOG2E = 1.4426950408889634
@@ -178,7 +179,9 @@ class TritonTuning:
     off: Triton's own placement (converted per operand, the ``V`` operand read a byte at a
     time). On by default. ``pow2_head_blocks``: split heads take a power of two a block where
     that needs no more blocks (:func:`pow2_heads_per_block`); off: as many as the rows allow. On
-    by default.
+    by default. ``sm90_fp8``: an fp8 query against an fp8 cache on Hopper through the Gluon
+    two-warpgroup kernel (``kernels/gluon/decode_sm90_fp8.py``: fp8 wgmma scores, ``V`` in
+    float16) where the 64-row tile serves it; off: the Triton 64-row tile. Off by default.
     """
 
     block_n: int | None = None
@@ -201,6 +204,7 @@ class TritonTuning:
     fp8_qk: bool = True
     fp8_convert_once: bool = True
     pow2_head_blocks: bool = True
+    sm90_fp8: bool = False
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -234,6 +238,7 @@ class TritonTuning:
             fp8_qk=env.read_flag("JAX_MLA_TRITON_FP8_QK", True),
             fp8_convert_once=env.read_flag("JAX_MLA_TRITON_FP8_CONVERT_ONCE", True),
             pow2_head_blocks=env.read_flag("JAX_MLA_TRITON_POW2_HEAD_BLOCKS", True),
+            sm90_fp8=env.read_flag("JAX_MLA_TRITON_SM90_FP8", False),
         )
 
     @property
@@ -303,7 +308,7 @@ class TritonPlan(DecodePlan):
 
     def mismatches(self, problem: DecodeProblem) -> list[str]:
         out = super().mismatches(problem)
-        if self.kernel.sm90 and problem.has_kv_scale:
+        if self.kernel.sm90 and problem.has_kv_scale and not is_fp8(problem.kv_dtype):
             out.append("has_kv_scale: planned False (the Hopper kernel takes none), call True")
         return out
 
@@ -322,11 +327,34 @@ def gluon_available() -> bool:
     return params[:3] == ["functions_and_args", "worker_num_warps", "worker_num_regs"]
 
 
-def sm90_supported(q_dtype, kv_dtype, kv_lora_rank: int, rope_dim: int, has_kv_scale: bool) -> bool:
-    """What the Gluon sm_90 kernel serves: 16-bit Q and cache of one dtype, DeepSeek geometry."""
+def sm90_supported(q_dtype, kv_dtype, kv_lora_rank: int, rope_dim: int, has_kv_scale: bool,
+                   *, fp8: bool = False) -> bool:
+    """What the Gluon sm_90 kernels serve, DeepSeek geometry only: a 16-bit query and cache of
+    one dtype with no cache scale (``kernels/gluon/decode_sm90.py``), and with ``fp8`` an fp8
+    query against an fp8 cache, scales allowed (``decode_sm90_fp8.py``, fp8 scores)."""
+    if (kv_lora_rank, rope_dim) != (512, 64):
+        return False
+    if is_fp8(q_dtype) and is_fp8(kv_dtype):
+        return fp8
     return (jnp.dtype(q_dtype) == jnp.dtype(kv_dtype)
             and jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and (kv_lora_rank, rope_dim) == (512, 64) and not has_kv_scale)
+            and not has_kv_scale)
+
+
+def sm90_fp8(tuning: TritonTuning, page_size: int) -> bool:
+    """Whether the Gluon fp8 kernel may serve an fp8 query and cache at ``page_size``
+    (``TritonTuning.sm90_fp8`` and fp8 scores, ``fp8_qk``, both on; a page size of
+    :data:`SM90_FP8_PAGE_SIZES`)."""
+    return bool(tuning.sm90_fp8 and tuning.fp8_qk and tuning.sm90_kernel
+                and sm90_fp8_page_size(page_size))
+
+
+# Page sizes the Gluon fp8 kernel serves: 1, 16 and multiples of 64, where it compiles with no
+# spills under triton 3.6 and 3.9 (ptxas 12.9 and 13.4). Under triton 3.9 its registers are at
+# the limit: pages of 2-8 tokens (a table read a row) spilled 72-148 bytes, 32 tokens 16 bytes
+# (2026-12-05, CPU); those take the Triton 64-row tile.
+def sm90_fp8_page_size(page_size: int) -> bool:
+    return page_size in (1, 16) or page_size % 64 == 0
 
 
 def rocm_tile(arch: str | None, rows: int, fp32: bool) -> dict:
@@ -466,7 +494,8 @@ def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = N
     """The :class:`TritonPlan` for ``problem`` (``tuning``: the environment's by default)."""
     tuning = TritonTuning.from_env() if tuning is None else tuning
     p, target = problem, problem.target
-    sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale)
+    sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale,
+                          fp8=sm90_fp8(tuning, p.page_size))
     cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning,
                         kv_dtype=p.kv_dtype)
     programs = num_programs(cfg, target)

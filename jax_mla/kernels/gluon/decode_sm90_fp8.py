@@ -1,0 +1,441 @@
+"""MLA decode/verify for Hopper (sm_90) in Gluon, an fp8 query against an fp8 cache.
+
+The schedule is :mod:`decode_sm90`'s seesaw (two warpgroups, one KV tile each, warpgroup 0's
+softmax published first; read that module's doc first). What differs is where the bytes live:
+
+- ``Q`` and both KV tiles stay fp8 in shared memory (36 + 2 x 36 KiB), and the scores are fp8
+  wgmma products of the stored values (``Q @ K^T`` is K-major on both sides, which is what
+  8-bit wgmma takes), summed in float32: nothing is converted for them.
+- ``P @ V`` reduces over tokens, which 8-bit wgmma cannot take from ``V``'s layout
+  (``[tokens, L]``, N-major). Each warpgroup converts its half of ``V``'s columns to float16
+  (exact for e4m3 and e5m2) into its own ``[64, L/2]`` buffer (2 x 32 KiB), once per tile:
+  its own tile's half under its score MMAs, the partner's half when the partner's scores are
+  done. The probabilities go out in float16 too (``P0``/``P1`` in their own 8 KiB buffers:
+  an fp8 tile's rope columns are too narrow to hold them). About 188 KiB a program.
+- Refills follow the last reader of each region: warpgroup 0 refills buffer 0's left half
+  and rope columns and buffer 1's left half; warpgroup 1 the rest.
+- The scale of the scores is ``softmax scale x kv_scale x q_scale`` (the stored values'
+  products), the output's ``kv_scale`` (``V`` as stored).
+
+Works, rows (``m = t * HB + h``), causal bounds, empty rows (out 0, LSE -inf) and the split
+partials are the bf16 kernel's, so the same reduce merges them.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from jax_mla.kernels.gluon.decode_sm90 import (
+    _FULL0,
+    _FULL1,
+    _NUM_BARS,
+    _P0,
+    _P1,
+    _QBAR,
+    _QFREE,
+    BLOCK_M,
+    BLOCK_N,
+    CHUNK,
+    LN2,
+    NUM_THREADS_WG,
+    WORKER_REGS,
+    _barrier,
+    _chunk_rows,
+    _cp_async,
+    _opaque,
+)
+
+
+@gluon.jit
+def _views(sQn3, sQr3, sKn, sKr, sV, sP, counter):
+    """``Q``, both KV buffers, both ``V`` halves and both ``P`` buffers as views indexed by an
+    opaque 0 formed here (see ``decode_sm90._opaque``); ``counter``: any loop-variant integer."""
+    z = _opaque(counter * 0)
+    return (sQn3.index(z), sQr3.index(z), sKn.index(z), sKr.index(z), sKn.index(z + 1),
+            sKr.index(z + 1), sV.index(z), sV.index(z + 1), sP.index(z), sP.index(z + 1))
+
+
+@gluon.jit
+def _chunk_rows_in_page(bt_row, start, hi, r0: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                        layout: gl.constexpr, NUM_PAGES: gl.constexpr):
+    """``decode_sm90._chunk_rows`` where a 16-row chunk lies in one page (the page size a
+    multiple of 16, tiles starting at multiples of 64): one block-table read a chunk, the rows
+    consecutive from it. A chunk past ``hi`` (its copies zero-fill) reads the last position's
+    page, so every address stays inside the cache."""
+    last = gl.maximum(hi - 1, 0)
+    p0 = gl.minimum(start + r0, last)
+    p0 = p0 - p0 % CHUNK
+    phys = gl.load(bt_row + p0 // PAGE_SIZE)
+    phys = gl.minimum(gl.maximum(phys, 0), NUM_PAGES - 1)
+    return phys * PAGE_SIZE + p0 % PAGE_SIZE + gl.arange(0, CHUNK, layout=layout)
+
+
+@gluon.jit
+def _tile_rows(bt_row, start, hi, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
+               LOAD: gl.constexpr, NUM_PAGES: gl.constexpr):
+    """The cache rows of the tile at ``start`` as four 16-row chunks (``decode_sm90._tile_rows``;
+    a chunk in one page takes one table read, which also keeps the rows' registers down: at
+    page size 16 the per-row gather spilled under triton 3.9's ptxas)."""
+    layout: gl.constexpr = gl.SliceLayout(1, LOAD)
+    if PAGE_SIZE % CHUNK == 0 and not TILE_IN_PAGE:
+        return (_chunk_rows_in_page(bt_row, start, hi, 0, PAGE_SIZE, layout, NUM_PAGES),
+                _chunk_rows_in_page(bt_row, start, hi, CHUNK, PAGE_SIZE, layout, NUM_PAGES),
+                _chunk_rows_in_page(bt_row, start, hi, 2 * CHUNK, PAGE_SIZE, layout, NUM_PAGES),
+                _chunk_rows_in_page(bt_row, start, hi, 3 * CHUNK, PAGE_SIZE, layout, NUM_PAGES))
+    return (_chunk_rows(bt_row, start, hi, 0, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
+            _chunk_rows(bt_row, start, hi, CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
+            _chunk_rows(bt_row, start, hi, 2 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
+            _chunk_rows(bt_row, start, hi, 3 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES))
+
+
+@gluon.jit
+def _load_part(dst, kv_ptr, rows, start, hi, col0: gl.constexpr, NCOLS: gl.constexpr,
+               D: gl.constexpr, LOAD: gl.constexpr):
+    """cp.async columns ``col0 .. col0 + NCOLS`` of the KV tile at ``start`` into ``dst``
+    ``[BLOCK_N, NCOLS]``, 16 rows at a time, in the copy layout ``LOAD`` (``rows``: the tile's
+    cache rows from ``_tile_rows``, in any layout of the same rows); positions past ``hi`` read
+    as 0."""
+    row_l: gl.constexpr = gl.SliceLayout(1, LOAD)
+    offs_c = col0 + gl.arange(0, NCOLS, layout=gl.SliceLayout(0, LOAD))
+    for i in gl.static_range(BLOCK_N // CHUNK):
+        valid = start + i * CHUNK + gl.arange(0, CHUNK, layout=row_l) < hi
+        r = gl.convert_layout(rows[i], row_l)
+        ptrs = kv_ptr + r.to(gl.int64)[:, None] * D + offs_c[None, :]
+        _cp_async(dst.slice(i * CHUNK, CHUNK, dim=0), ptrs,
+                  mask=valid[:, None] & (offs_c[None, :] >= 0))
+
+
+@gluon.jit
+def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
+            L: gl.constexpr, R: gl.constexpr, LOAD: gl.constexpr, LOADR: gl.constexpr):
+    """cp.async the work's query rows ``m = t * HB + h`` (latent columns in ``LOAD``, rope
+    columns in ``LOADR``); rows past the verify block or the heads read as 0."""
+    D: gl.constexpr = L + R
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LOAD))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOADR))
+    for r0 in gl.static_range(0, BLOCK_M, CHUNK):
+        m = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LOAD))
+        t = m // HB
+        head = hb * HB + m % HB
+        ok = (t < Q) & (head < H)
+        qrow = (qo_start + gl.minimum(t, Q - 1)).to(gl.int64) * H + gl.minimum(head, H - 1)
+        base = q_ptr + qrow * D
+        _cp_async(sQn.slice(r0, CHUNK, dim=0), base[:, None] + offs_l[None, :],
+                  mask=ok[:, None] & (offs_l[None, :] >= 0))
+        base_r = gl.convert_layout(base, gl.SliceLayout(1, LOADR))
+        ok_r = gl.convert_layout(ok, gl.SliceLayout(1, LOADR))
+        _cp_async(sQr.slice(r0, CHUNK, dim=0), base_r[:, None] + L + offs_r[None, :],
+                  mask=ok_r[:, None] & (offs_r[None, :] >= 0))
+
+
+@gluon.jit
+def _convert_v(dst, src, CVT: gl.constexpr):
+    """``dst`` (float16 ``[BLOCK_N, L/2]``) = ``src`` (the fp8 tile's half of ``V``), 16 rows
+    at a time through registers (exact). The caller fences and syncs before an MMA reads it."""
+    for i in gl.static_range(BLOCK_N // CHUNK):
+        x = src.slice(i * CHUNK, CHUNK, dim=0).load(CVT)
+        dst.slice(i * CHUNK, CHUNK, dim=0).store(x.to(gl.float16))
+
+
+@gluon.jit
+def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
+          qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+          sQn3, sQr3, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars,
+          H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
+          L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
+          L2_HINTS: gl.constexpr, NUM_PAGES: gl.constexpr):
+    """One warpgroup's part of every work of this program (``ROLE`` 0 or 1, see the module)."""
+    D: gl.constexpr = L + R
+    LH: gl.constexpr = L // 2
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 32])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, LH, 16])
+    P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    # 16-byte copies of 16 rows x 128 fp8 columns (the latent halves), 8-byte ones of the
+    # 64 rope columns; the same layout converts V.
+    LOAD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
+                                          warps_per_cta=[4, 1], order=[1, 0])
+    LOADR: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                           warps_per_cta=[4, 1], order=[1, 0])
+    col0: gl.constexpr = ROLE * LH
+    part_policy: gl.constexpr = "evict_last" if L2_HINTS else ""
+    if ROLE == 0:
+        sM_me = sM0
+        sS_me = sS0
+        sM_you = sM1
+        sS_you = sS1
+    else:
+        sM_me = sM1
+        sS_me = sS1
+        sM_you = sM0
+        sS_you = sS0
+    full0 = bars.index(_FULL0)
+    full1 = bars.index(_FULL1)
+    qbar = bars.index(_QBAR)
+    p0bar = bars.index(_P0)
+    p1bar = bars.index(_P1)
+    qfree = bars.index(_QFREE)
+
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)
+    t_s = offs_m // HB
+    pc = 0  # pairs done (both roles count the same pairs): barrier phases
+    for w in range(w0, w1):
+        wi = w - w0
+        wp = work_ptr + w * 8
+        b = gl.load(wp)
+        ploc = gl.load(wp + 1)
+        qo_start = gl.load(wp + 2)
+        kv_base = gl.load(kv_indptr_ptr + b)
+        lo = gl.load(wp + 4) - kv_base
+        hi = gl.load(wp + 5) - kv_base
+        seq = hi + gl.load(wp + 6)
+        bt_row = bt_ptr + b.to(gl.int64) * MAX_PAGES
+        n_pairs = (hi - lo + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+        sQn, sQr, sKn0, sKr0, sKn1, sKr1, sV0, sV1, sP0, sP1 = _views(sQn3, sQr3, sKn, sKr, sV,
+                                                                      sP, wi)
+        if ROLE == 0:
+            mbarrier.wait(qfree, (wi - 1) & 1, pred=wi > 0)
+            _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR)
+            async_copy.mbarrier_arrive(qbar, increment_count=False)
+        # Pair 0 of this work: each role copies the regions it is the last reader of.
+        if n_pairs > 0:
+            rows_a = _tile_rows(bt_row, lo, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
+            rows_b = _tile_rows(bt_row, lo + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
+            if ROLE == 0:
+                _load_part(sKn0.slice(0, LH, dim=1), kv_ptr, rows_a, lo, hi, 0, LH, D, LOAD)
+                _load_part(sKr0, kv_ptr, rows_a, lo, hi, L, R, D, LOADR)
+                async_copy.mbarrier_arrive(full0, increment_count=False)
+                _load_part(sKn1.slice(0, LH, dim=1), kv_ptr, rows_b, lo + BLOCK_N, hi, 0, LH, D,
+                           LOAD)
+                async_copy.mbarrier_arrive(full1, increment_count=False)
+            else:
+                _load_part(sKn0.slice(LH, LH, dim=1), kv_ptr, rows_a, lo, hi, LH, LH, D, LOAD)
+                async_copy.mbarrier_arrive(full0, increment_count=False)
+                _load_part(sKn1.slice(LH, LH, dim=1), kv_ptr, rows_b, lo + BLOCK_N, hi, LH, LH,
+                           D, LOAD)
+                _load_part(sKr1, kv_ptr, rows_b, lo + BLOCK_N, hi, L, R, D, LOADR)
+                async_copy.mbarrier_arrive(full1, increment_count=False)
+        mbarrier.wait(qbar, wi & 1)
+
+        bound = seq - Q + t_s + 1  # row t sees positions < seq - Q + t + 1
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+        l_i = gl.zeros([BLOCK_M], gl.float32, ROW_S)
+        acc = gl.zeros([BLOCK_M, LH], gl.float32, O_L)
+        for j in range(0, n_pairs):
+            start = lo + (2 * j + ROLE) * BLOCK_N  # my tile
+            nxt = lo + (2 * j + 2) * BLOCK_N  # the next pair's first tile
+            ph = pc & 1
+            nrows_a = _tile_rows(bt_row, nxt, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
+            nrows_b = _tile_rows(bt_row, nxt + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD,
+                                 NUM_PAGES)
+            sQn, sQr, sKn0, sKr0, sKn1, sKr1, sV0, sV1, sP0, sP1 = _views(sQn3, sQr3, sKn, sKr,
+                                                                          sV, sP, pc)
+            if ROLE == 0:
+                mbarrier.wait(full0, ph)
+                fence_async_shared()
+                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+                s = warpgroup_mma(sQn, sKn0.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(sQr, sKr0.permute((1, 0)), s, is_async=True)
+                _convert_v(sV0, sKn0.slice(0, LH, dim=1), LOAD)  # V0's left half, under them
+                s = warpgroup_mma_wait(0, deps=[s])
+                pos = start + offs_n
+                keep = (pos[None, :] < hi) & (pos[None, :] < bound[:, None])
+                s = gl.where(keep, s * qk_scale, float("-inf"))
+                m0 = gl.maximum(m_i, gl.max(s, axis=1))
+                m0s = gl.where(m0 == float("-inf"), 0.0, m0)
+                p = gl.exp2(s - m0s[:, None])
+                rs0 = gl.sum(p, axis=1)
+                pb = p.to(gl.float16)
+                sP0.store(pb)
+                sM_me.store(m0)
+                sS_me.store(rs0)
+                fence_async_shared()  # P0 and V0's left half, for the MMAs
+                _barrier()
+                mbarrier.arrive(p0bar)
+                a0 = gl.exp2(m_i - m0s)
+                l_i = l_i * a0 + rs0
+                acc = acc * gl.convert_layout(a0, ROW_O)[:, None]
+                acc = warpgroup_mma(gl.convert_layout(pb, P_OP), sV0, acc, is_async=True)
+                mbarrier.wait(p1bar, ph)
+                m1 = sM_you.load(ROW_S)
+                rs1 = sS_you.load(ROW_S)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                # Buffer 0's left half and rope columns are mine to refill.
+                if j + 1 < n_pairs:
+                    _load_part(sKn0.slice(0, LH, dim=1), kv_ptr, nrows_a, nxt, hi, 0, LH, D, LOAD)
+                    _load_part(sKr0, kv_ptr, nrows_a, nxt, hi, L, R, D, LOADR)
+                    async_copy.mbarrier_arrive(full0, increment_count=False)
+                # V1's left half: warpgroup 1's scores on buffer 1 are done (it published P1).
+                _convert_v(sV0, sKn1.slice(0, LH, dim=1), LOAD)
+                m1s = gl.where(m1 == float("-inf"), 0.0, m1)
+                a1 = gl.exp2(m0 - m1s)
+                l_i = l_i * a1 + rs1
+                m_i = m1
+                acc = acc * gl.convert_layout(a1, ROW_O)[:, None]
+                fence_async_shared()
+                _barrier()
+                acc = warpgroup_mma(sP1, sV0, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                if j + 1 < n_pairs:
+                    _load_part(sKn1.slice(0, LH, dim=1), kv_ptr, nrows_b, nxt + BLOCK_N, hi, 0,
+                               LH, D, LOAD)
+                    async_copy.mbarrier_arrive(full1, increment_count=False)
+            else:
+                mbarrier.wait(full1, ph)
+                mbarrier.wait(full0, ph)  # V0's right half, converted under my scores
+                fence_async_shared()
+                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+                s = warpgroup_mma(sQn, sKn1.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(sQr, sKr1.permute((1, 0)), s, is_async=True)
+                _convert_v(sV1, sKn0.slice(LH, LH, dim=1), LOAD)
+                s = warpgroup_mma_wait(0, deps=[s])
+                pos = start + offs_n
+                keep = (pos[None, :] < hi) & (pos[None, :] < bound[:, None])
+                s = gl.where(keep, s * qk_scale, float("-inf"))
+                mbarrier.wait(p0bar, ph)
+                m0 = sM_you.load(ROW_S)
+                rs0 = sS_you.load(ROW_S)
+                m0s = gl.where(m0 == float("-inf"), 0.0, m0)
+                a0 = gl.exp2(m_i - m0s)
+                l_i = l_i * a0 + rs0
+                acc = acc * gl.convert_layout(a0, ROW_O)[:, None]
+                fence_async_shared()  # V0's right half, for the MMA
+                _barrier()
+                acc = warpgroup_mma(sP0, sV1, acc, is_async=True)
+                # My softmax runs under P0 @ V0.
+                m1 = gl.maximum(m0, gl.max(s, axis=1))
+                m1s = gl.where(m1 == float("-inf"), 0.0, m1)
+                p = gl.exp2(s - m1s[:, None])
+                rs1 = gl.sum(p, axis=1)
+                pb = p.to(gl.float16)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                # Buffer 0's right half: converted, and warpgroup 0's scores were done (P0).
+                if j + 1 < n_pairs:
+                    _load_part(sKn0.slice(LH, LH, dim=1), kv_ptr, nrows_a, nxt, hi, LH, LH, D,
+                               LOAD)
+                    async_copy.mbarrier_arrive(full0, increment_count=False)
+                sP1.store(pb)
+                sM_me.store(m1)
+                sS_me.store(rs1)
+                fence_async_shared()
+                _barrier()
+                mbarrier.arrive(p1bar)
+                _convert_v(sV1, sKn1.slice(LH, LH, dim=1), LOAD)  # my own tile's right half
+                a1 = gl.exp2(m0 - m1s)
+                l_i = l_i * a1 + rs1
+                m_i = m1
+                acc = acc * gl.convert_layout(a1, ROW_O)[:, None]
+                fence_async_shared()
+                _barrier()
+                acc = warpgroup_mma(gl.convert_layout(pb, P_OP), sV1, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                if j + 1 < n_pairs:
+                    _load_part(sKn1.slice(LH, LH, dim=1), kv_ptr, nrows_b, nxt + BLOCK_N, hi, LH,
+                               LH, D, LOAD)
+                    _load_part(sKr1, kv_ptr, nrows_b, nxt + BLOCK_N, hi, L, R, D, LOADR)
+                    async_copy.mbarrier_arrive(full1, increment_count=False)
+            pc += 1
+        if ROLE == 1:
+            mbarrier.arrive(qfree)
+
+        # My half of the output columns; warpgroup 0 also writes the LSE.
+        l_o = gl.convert_layout(l_i, ROW_O)
+        empty = l_o == 0.0
+        o = acc * (o_scale / gl.where(empty, 1.0, l_o))[:, None]
+        o = gl.where(empty[:, None], 0.0, o)
+        offs_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
+        t_o = offs_mo // HB
+        head_o = hb * HB + offs_mo % HB
+        ok_o = (t_o < Q) & (head_o < H)
+        offs_c = col0 + gl.arange(0, LH, layout=gl.SliceLayout(0, O_L))
+        o_mask = ok_o[:, None] & (offs_c[None, :] < L)
+        if ploc < 0:
+            orow = (qo_start + t_o).to(gl.int64) * H + head_o
+            gl.store(out_ptr + orow[:, None] * L + offs_c[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=o_mask)
+        else:
+            orow = (ploc + t_o).to(gl.int64) * H + head_o
+            gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask,
+                     eviction_policy=part_policy)
+        if ROLE == 0:
+            empty_s = l_i == 0.0
+            m_f = gl.where(m_i == float("-inf"), 0.0, m_i)
+            lse = gl.where(empty_s, float("-inf"),
+                           (m_f + gl.log2(gl.where(empty_s, 1.0, l_i))) * LN2)
+            head_s = hb * HB + offs_m % HB
+            ok_s = (t_s < Q) & (head_s < H)
+            if ploc < 0:
+                gl.store(lse_ptr + (qo_start + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s)
+            else:
+                gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s,
+                         eviction_policy=part_policy)
+
+
+@gluon.jit
+def mla_decode_sm90_fp8_kernel(
+    q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_indptr_ptr, work_ptr, kv_scale_ptr,
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    QK_SCALE: gl.constexpr, H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr,
+    HB: gl.constexpr, NUM_HB: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr, L2_HINTS: gl.constexpr = False,
+    NUM_PAGES: gl.constexpr = 2147483647, HAS_KV_SCALE: gl.constexpr = False,
+    HAS_Q_SCALE: gl.constexpr = False,
+):
+    """Grid: persistent programs x head blocks, head block fastest (as the bf16 kernel).
+    ``kv_scale_ptr``: ``[kv_scale]``, or ``[kv_scale, q_scale]`` with ``HAS_Q_SCALE``.
+    Launched with 4 warps (warpgroup 0); warpgroup 1 is the worker partition."""
+    pid = gl.program_id(0)
+    p = pid // NUM_HB
+    hb = pid % NUM_HB
+    w0 = gl.load(work_indptr_ptr + p)
+    w1 = gl.load(work_indptr_ptr + p + 1)
+    LH: gl.constexpr = L // 2
+    if HAS_KV_SCALE:
+        o_scale = gl.load(kv_scale_ptr)
+    else:
+        o_scale = 1.0
+    qk_scale = QK_SCALE * o_scale
+    if HAS_Q_SCALE:
+        qk_scale = qk_scale * gl.load(kv_scale_ptr + 1)
+    NV8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    NV8R: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    NV16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                              rank=2)
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    sQn = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, BLOCK_M, L], NV8)
+    sQr = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, BLOCK_M, R], NV8R)
+    sKn = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N, L], NV8)
+    sKr = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N, R], NV8R)
+    sV = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, LH], NV16)
+    sP = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_N], NV16)
+    sM0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
+    sS0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
+    sM1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
+    sS1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
+    bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(_FULL0), count=2 * NUM_THREADS_WG)
+    mbarrier.init(bars.index(_FULL1), count=2 * NUM_THREADS_WG)
+    mbarrier.init(bars.index(_QBAR), count=NUM_THREADS_WG)
+    mbarrier.init(bars.index(_P0), count=1)
+    mbarrier.init(bars.index(_P1), count=1)
+    mbarrier.init(bars.index(_QFREE), count=1)
+    gl.warp_specialize(
+        [(_role, (gl.constexpr(0), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
+                  qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
+                  sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R,
+                  PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES)),
+         (_role, (gl.constexpr(1), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
+                  qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
+                  sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R,
+                  PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES))],
+        [4], [WORKER_REGS])
