@@ -33,8 +33,8 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   it (per product), rather than once where it was loaded (CUDA).
 - ``JAX_MLA_TRITON_POW2_HEAD_BLOCKS=0``: split heads take as many a block as the rows allow,
   rather than a power of two where that needs no more blocks.
-- ``JAX_MLA_TRITON_SM90_FP8=1``: an fp8 query against an fp8 cache goes through the Gluon
-  two-warpgroup kernel on Hopper (fp8 wgmma scores) rather than the Triton 64-row tile.
+- ``JAX_MLA_TRITON_SM90_FP8=0``: an fp8 query against an fp8 cache takes the Triton 64-row
+  tile on Hopper rather than the Gluon two-warpgroup kernel (fp8 wgmma scores).
 - ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
 - ``JAX_MLA_FFI_COMMAND_BUFFERS=0``: our FFI targets are registered without the command-buffer
   trait, so XLA launches them outside its command buffers (a measurement knob; read when the

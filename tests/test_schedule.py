@@ -211,12 +211,12 @@ def test_sm90_kernel_knob_and_rules(monkeypatch):
 
 @pytest.mark.parametrize("knob, page_size, want", [
     ("1", 64, True), ("1", 16, True), ("1", 1, True), ("1", 128, True),
-    ("1", 8, False), ("1", 32, False), ("0", 64, False), (None, 64, False)])
+    ("1", 8, False), ("1", 32, False), ("0", 64, False), (None, 64, True)])
 def test_sm90_fp8_kernel_plan(monkeypatch, knob, page_size, want):
-    """``JAX_MLA_TRITON_SM90_FP8=1`` plans the Gluon fp8 kernel for an fp8 query and cache on
-    Hopper at 64-row tiles and the page sizes it compiles cleanly for; its plan takes the cache
-    scale (the bf16 Gluon kernel's does not); off, the default, or at other page sizes: the
-    Triton 64-row tile. Not with fp8 scores off, nor for 16-row tiles."""
+    """The Gluon fp8 kernel (``JAX_MLA_TRITON_SM90_FP8``, on by default) is planned for an fp8
+    query and cache on Hopper at 64-row tiles and the page sizes it compiles cleanly for; its
+    plan takes the cache scale (the bf16 Gluon kernel's does not); off, or at other page
+    sizes: the Triton 64-row tile. Not with fp8 scores off, nor for 16-row tiles."""
     from jax_mla.backends.triton.plan import make_plan
     from jax_mla.problem import DecodeProblem, Target
 

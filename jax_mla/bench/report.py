@@ -6,7 +6,8 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 ``decode.json`` (the grid, both timers), ``decode_before.json`` (the same grid run in the same
 session on an earlier tree, for a before/after table), ``kernels.json`` and ``kernels_before.json``
 (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``, ``aiter_bridge.json``, ``ab.json``,
-``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_pdl.json``, ``cmdbuf.json``,
+``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_fp8_head_blocks.json``, ``ab_sm90_fp8.json``,
+``ab_pdl.json``, ``stream_execute.json``, ``stream_initialize.json``, ``cmdbuf.json``,
 ``cmdbuf_chains*.json``, ``launcher_ab.json``,
 ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json`` (the GPU test
 summary), and ``tried.md`` (what was measured and kept or dropped, in words), and writes
@@ -136,11 +137,13 @@ def dcp_table(data) -> str:
 
 
 def ab_table(rows) -> str:
-    out = ["| shape | variant | best stream µs | × first | GPU µs | rel err vs first |",
-           "|---|---|---|---|---|---|"]
+    out = ["| shape | variant | best stream µs | × first | GPU µs | rel err vs first | "
+           "LSE max abs err vs first |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        lse = r.get("lse_max_abs_err_vs_first")
         out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
-                   f"{r['vs_first']:.3f} | {_f(r.get('gpu_us'))} | {r['rel_err_vs_first']:.1e} |")
+                   f"{r['vs_first']:.3f} | {_f(r.get('gpu_us'))} | {r['rel_err_vs_first']:.1e} | "
+                   f"{'-' if lse is None else f'{lse:.1e}'} |")
     return "\n".join(out)
 
 
@@ -148,7 +151,13 @@ def ab_table(rows) -> str:
 AB_FILES = (("ab.json", "Tuning A/B (same run)"),
             ("ab_fp8.json", "fp8 caches: tiles, conversion and products (same run)"),
             ("ab_fp8_verify.json", "fp8 verify: head blocks and rows a program (same run)"),
-            ("ab_pdl.json", "Programmatic dependent launch (same run)"))
+            ("ab_fp8_head_blocks.json",
+             "fp8 64-row tile (CUDA): which head blocks are right (same run)"),
+            ("ab_sm90_fp8.json", "The Gluon fp8 kernel against the Triton tile (same run)"),
+            ("ab_pdl.json", "Programmatic dependent launch (same run)"),
+            ("stream_execute.json", "Stream time, XLA's execute stage only (one process)"),
+            ("stream_initialize.json",
+             "Stream time, XLA's initialize stage registered too (another process)"))
 
 
 def cmdbuf_table(rows) -> str:

@@ -343,8 +343,9 @@ def stage_ab_fp8_h128(_):
 
 
 # The fp8 verify's head blocks: at 16 heads (timed on an H100, 2026-12-05: power-of-two blocks
-# as fast or faster; the old 10 + 6 and 9 + 7 off in the LSE) and where the power of two now
-# takes more blocks (32, 64, 128 heads; ``plan.CUDA_FP8_64_POW2``), against the old blocks.
+# as fast or faster; the old 10 + 6 and 9 + 7 off in the LSE) and at 32, 64, 128 heads (where a
+# multiple of four a block, ``plan.CUDA_FP8_64_HEAD_MULTIPLE``, differs from the rows' own
+# blocks), against the old blocks.
 FP8_VERIFY_AB = ("ab_fp8_verify.json", ("base", "hb0:pow2_head_blocks=0"),
                  ("64,16,4096,6,64,fp8q", "64,16,4096,7,64,fp8", "64,32,4096,5,64,fp8",
                   "64,64,4096,6,64,fp8", "32,128,4096,7,64,fp8", "32,128,4096,3,64,fp8q"))
