@@ -160,6 +160,83 @@ def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB:
 
 
 @gluon.jit
+def _work(work_ptr, kv_indptr_ptr, bt_ptr, w, MAX_PAGES: gl.constexpr):
+    """Work ``w``: its partial slot (negative: final rows), first query row, KV range
+    ``[lo, hi)`` within the request, the request's length, its block-table row and its pairs of
+    tiles (see ``backends/triton/schedule.py``)."""
+    wp = work_ptr + w * 8
+    b = gl.load(wp)
+    ploc = gl.load(wp + 1)
+    qo_start = gl.load(wp + 2)
+    kv_base = gl.load(kv_indptr_ptr + b)
+    lo = gl.load(wp + 4) - kv_base
+    hi = gl.load(wp + 5) - kv_base
+    seq = hi + gl.load(wp + 6)
+    bt_row = bt_ptr + b.to(gl.int64) * MAX_PAGES
+    n_pairs = (hi - lo + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+    return ploc, qo_start, lo, hi, seq, bt_row, n_pairs
+
+
+@gluon.jit
+def _write_back(ROLE: gl.constexpr, acc, m_i, l_i, o_scale, offs_m, t_s, hb, ploc, qo_start,
+                out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H: gl.constexpr,
+                Q: gl.constexpr, HB: gl.constexpr, L: gl.constexpr, O_L: gl.constexpr,
+                L2_HINTS: gl.constexpr, SCALED: gl.constexpr):
+    """A work's end: this warpgroup's half of the output columns (times ``o_scale`` where
+    ``SCALED``), final or a split partial; warpgroup 0 also writes the LSE. Empty rows: out 0,
+    LSE -inf."""
+    LH: gl.constexpr = L // 2
+    col0: gl.constexpr = ROLE * LH
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    # Split partials are kept in L2 for the reduce (see the Triton kernel's module doc).
+    part_policy: gl.constexpr = "evict_last" if L2_HINTS else ""
+    l_o = gl.convert_layout(l_i, ROW_O)
+    empty = l_o == 0.0
+    if SCALED:
+        o = acc * (o_scale / gl.where(empty, 1.0, l_o))[:, None]
+    else:
+        o = acc / gl.where(empty, 1.0, l_o)[:, None]
+    o = gl.where(empty[:, None], 0.0, o)
+    offs_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
+    t_o = offs_mo // HB
+    head_o = hb * HB + offs_mo % HB
+    ok_o = (t_o < Q) & (head_o < H)
+    offs_c = col0 + gl.arange(0, LH, layout=gl.SliceLayout(0, O_L))
+    o_mask = ok_o[:, None] & (offs_c[None, :] < L)
+    if ploc < 0:
+        orow = (qo_start + t_o).to(gl.int64) * H + head_o
+        gl.store(out_ptr + orow[:, None] * L + offs_c[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=o_mask)
+    else:
+        orow = (ploc + t_o).to(gl.int64) * H + head_o
+        gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask,
+                 eviction_policy=part_policy)
+    if ROLE == 0:
+        empty_s = l_i == 0.0
+        m_f = gl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = gl.where(empty_s, float("-inf"),
+                       (m_f + gl.log2(gl.where(empty_s, 1.0, l_i))) * LN2)
+        head_s = hb * HB + offs_m % HB
+        ok_s = (t_s < Q) & (head_s < H)
+        if ploc < 0:
+            gl.store(lse_ptr + (qo_start + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s)
+        else:
+            gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s,
+                     eviction_policy=part_policy)
+
+
+@gluon.jit
+def _init_barriers(bars):
+    """The program's barriers (see ``_FULL0`` .. ``_QFREE``)."""
+    mbarrier.init(bars.index(_FULL0), count=2 * NUM_THREADS_WG)
+    mbarrier.init(bars.index(_FULL1), count=2 * NUM_THREADS_WG)
+    mbarrier.init(bars.index(_QBAR), count=NUM_THREADS_WG)
+    mbarrier.init(bars.index(_P0), count=1)
+    mbarrier.init(bars.index(_P1), count=1)
+    mbarrier.init(bars.index(_QFREE), count=1)
+
+
+@gluon.jit
 def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
           qk_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
           sQn3, sQr3, sKn, sKr, sM0, sS0, sM1, sS1, bars,
@@ -179,9 +256,6 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
     LOAD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                           warps_per_cta=[4, 1], order=[1, 0])
     dt: gl.constexpr = kv_ptr.dtype.element_ty
-    col0: gl.constexpr = ROLE * LH
-    # Split partials are kept in L2 for the reduce (see the Triton kernel's module doc).
-    part_policy: gl.constexpr = "evict_last" if L2_HINTS else ""
     if ROLE == 0:
         sM_me = sM0
         sS_me = sS0
@@ -205,16 +279,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
     pc = 0  # pairs done (both roles count the same pairs): barrier phases
     for w in range(w0, w1):
         wi = w - w0
-        wp = work_ptr + w * 8
-        b = gl.load(wp)
-        ploc = gl.load(wp + 1)
-        qo_start = gl.load(wp + 2)
-        kv_base = gl.load(kv_indptr_ptr + b)
-        lo = gl.load(wp + 4) - kv_base
-        hi = gl.load(wp + 5) - kv_base
-        seq = hi + gl.load(wp + 6)
-        bt_row = bt_ptr + b.to(gl.int64) * MAX_PAGES
-        n_pairs = (hi - lo + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+        ploc, qo_start, lo, hi, seq, bt_row, n_pairs = _work(work_ptr, kv_indptr_ptr, bt_ptr, w,
+                                                             MAX_PAGES)
         sQn, sQr, sKn0, sKr0, sKn1, sKr1 = _views(sQn3, sQr3, sKn, sKr, wi)
         # Q (warpgroup 0), once warpgroup 1 is done with the last work's.
         if ROLE == 0:
@@ -359,37 +425,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
         if ROLE == 1:
             mbarrier.arrive(qfree)
 
-        # My half of the output columns; warpgroup 0 also writes the LSE.
-        l_o = gl.convert_layout(l_i, ROW_O)
-        empty = l_o == 0.0
-        o = acc / gl.where(empty, 1.0, l_o)[:, None]
-        o = gl.where(empty[:, None], 0.0, o)
-        offs_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
-        t_o = offs_mo // HB
-        head_o = hb * HB + offs_mo % HB
-        ok_o = (t_o < Q) & (head_o < H)
-        offs_c = col0 + gl.arange(0, LH, layout=gl.SliceLayout(0, O_L))
-        o_mask = ok_o[:, None] & (offs_c[None, :] < L)
-        if ploc < 0:
-            orow = (qo_start + t_o).to(gl.int64) * H + head_o
-            gl.store(out_ptr + orow[:, None] * L + offs_c[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=o_mask)
-        else:
-            orow = (ploc + t_o).to(gl.int64) * H + head_o
-            gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask,
-                     eviction_policy=part_policy)
-        if ROLE == 0:
-            empty_s = l_i == 0.0
-            m_f = gl.where(m_i == float("-inf"), 0.0, m_i)
-            lse = gl.where(empty_s, float("-inf"),
-                           (m_f + gl.log2(gl.where(empty_s, 1.0, l_i))) * LN2)
-            head_s = hb * HB + offs_m % HB
-            ok_s = (t_s < Q) & (head_s < H)
-            if ploc < 0:
-                gl.store(lse_ptr + (qo_start + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s)
-            else:
-                gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s,
-                         eviction_policy=part_policy)
+        _write_back(ROLE, acc, m_i, l_i, 1.0, offs_m, t_s, hb, ploc, qo_start, out_ptr, lse_ptr,
+                    part_out_ptr, part_lse_ptr, H, Q, HB, L, O_L, L2_HINTS, False)
 
 
 @gluon.jit
@@ -420,12 +457,7 @@ def mla_decode_sm90_kernel(
     sM1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     sS1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(_FULL0), count=2 * NUM_THREADS_WG)
-    mbarrier.init(bars.index(_FULL1), count=2 * NUM_THREADS_WG)
-    mbarrier.init(bars.index(_QBAR), count=NUM_THREADS_WG)
-    mbarrier.init(bars.index(_P0), count=1)
-    mbarrier.init(bars.index(_P1), count=1)
-    mbarrier.init(bars.index(_QFREE), count=1)
+    _init_barriers(bars)
     qk_scale = QK_SCALE
     gl.warp_specialize(
         [(_role, (gl.constexpr(0), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,

@@ -42,13 +42,14 @@ from jax_mla.kernels.gluon.decode_sm90 import (
     BLOCK_M,
     BLOCK_N,
     CHUNK,
-    LN2,
-    NUM_THREADS_WG,
     WORKER_REGS,
     _barrier,
     _chunk_rows,
     _cp_async,
+    _init_barriers,
     _opaque,
+    _work,
+    _write_back,
 )
 
 
@@ -166,8 +167,6 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                                           warps_per_cta=[4, 1], order=[1, 0])
     LOADR: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                            warps_per_cta=[4, 1], order=[1, 0])
-    col0: gl.constexpr = ROLE * LH
-    part_policy: gl.constexpr = "evict_last" if L2_HINTS else ""
     if ROLE == 0:
         sM_me = sM0
         sS_me = sS0
@@ -191,16 +190,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
     pc = 0  # pairs done (both roles count the same pairs): barrier phases
     for w in range(w0, w1):
         wi = w - w0
-        wp = work_ptr + w * 8
-        b = gl.load(wp)
-        ploc = gl.load(wp + 1)
-        qo_start = gl.load(wp + 2)
-        kv_base = gl.load(kv_indptr_ptr + b)
-        lo = gl.load(wp + 4) - kv_base
-        hi = gl.load(wp + 5) - kv_base
-        seq = hi + gl.load(wp + 6)
-        bt_row = bt_ptr + b.to(gl.int64) * MAX_PAGES
-        n_pairs = (hi - lo + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+        ploc, qo_start, lo, hi, seq, bt_row, n_pairs = _work(work_ptr, kv_indptr_ptr, bt_ptr, w,
+                                                             MAX_PAGES)
         sQn, sQr, sKn0, sKr0, sKn1, sKr1, sV0, sV1, sP0, sP1 = _views(sQn3, sQr3, sKn, sKr, sV,
                                                                       sP, wi)
         if ROLE == 0:
@@ -348,37 +339,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
         if ROLE == 1:
             mbarrier.arrive(qfree)
 
-        # My half of the output columns; warpgroup 0 also writes the LSE.
-        l_o = gl.convert_layout(l_i, ROW_O)
-        empty = l_o == 0.0
-        o = acc * (o_scale / gl.where(empty, 1.0, l_o))[:, None]
-        o = gl.where(empty[:, None], 0.0, o)
-        offs_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
-        t_o = offs_mo // HB
-        head_o = hb * HB + offs_mo % HB
-        ok_o = (t_o < Q) & (head_o < H)
-        offs_c = col0 + gl.arange(0, LH, layout=gl.SliceLayout(0, O_L))
-        o_mask = ok_o[:, None] & (offs_c[None, :] < L)
-        if ploc < 0:
-            orow = (qo_start + t_o).to(gl.int64) * H + head_o
-            gl.store(out_ptr + orow[:, None] * L + offs_c[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=o_mask)
-        else:
-            orow = (ploc + t_o).to(gl.int64) * H + head_o
-            gl.store(part_out_ptr + orow[:, None] * L + offs_c[None, :], o, mask=o_mask,
-                     eviction_policy=part_policy)
-        if ROLE == 0:
-            empty_s = l_i == 0.0
-            m_f = gl.where(m_i == float("-inf"), 0.0, m_i)
-            lse = gl.where(empty_s, float("-inf"),
-                           (m_f + gl.log2(gl.where(empty_s, 1.0, l_i))) * LN2)
-            head_s = hb * HB + offs_m % HB
-            ok_s = (t_s < Q) & (head_s < H)
-            if ploc < 0:
-                gl.store(lse_ptr + (qo_start + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s)
-            else:
-                gl.store(part_lse_ptr + (ploc + t_s).to(gl.int64) * H + head_s, lse, mask=ok_s,
-                         eviction_policy=part_policy)
+        _write_back(ROLE, acc, m_i, l_i, o_scale, offs_m, t_s, hb, ploc, qo_start, out_ptr,
+                    lse_ptr, part_out_ptr, part_lse_ptr, H, Q, HB, L, O_L, L2_HINTS, True)
 
 
 @gluon.jit
@@ -423,12 +385,7 @@ def mla_decode_sm90_fp8_kernel(
     sM1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     sS1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(_FULL0), count=2 * NUM_THREADS_WG)
-    mbarrier.init(bars.index(_FULL1), count=2 * NUM_THREADS_WG)
-    mbarrier.init(bars.index(_QBAR), count=NUM_THREADS_WG)
-    mbarrier.init(bars.index(_P0), count=1)
-    mbarrier.init(bars.index(_P1), count=1)
-    mbarrier.init(bars.index(_QFREE), count=1)
+    _init_barriers(bars)
     gl.warp_specialize(
         [(_role, (gl.constexpr(0), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
