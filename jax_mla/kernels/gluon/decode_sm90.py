@@ -226,6 +226,22 @@ def _write_back(ROLE: gl.constexpr, acc, m_i, l_i, o_scale, offs_m, t_s, hb, plo
 
 
 @gluon.jit
+def _exchange(ROLE: gl.constexpr, sM0, sS0, sM1, sS1):
+    """The row max and row sum buffers this warpgroup publishes, then the partner's."""
+    if ROLE == 0:
+        return sM0, sS0, sM1, sS1
+    else:
+        return sM1, sS1, sM0, sS0
+
+
+@gluon.jit
+def _barrier_views(bars):
+    """``full0, full1, qbar, p0bar, p1bar, qfree`` (see ``_FULL0`` .. ``_QFREE``)."""
+    return (bars.index(_FULL0), bars.index(_FULL1), bars.index(_QBAR), bars.index(_P0),
+            bars.index(_P1), bars.index(_QFREE))
+
+
+@gluon.jit
 def _init_barriers(bars):
     """The program's barriers (see ``_FULL0`` .. ``_QFREE``)."""
     mbarrier.init(bars.index(_FULL0), count=2 * NUM_THREADS_WG)
@@ -256,22 +272,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
     LOAD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                           warps_per_cta=[4, 1], order=[1, 0])
     dt: gl.constexpr = kv_ptr.dtype.element_ty
-    if ROLE == 0:
-        sM_me = sM0
-        sS_me = sS0
-        sM_you = sM1
-        sS_you = sS1
-    else:
-        sM_me = sM1
-        sS_me = sS1
-        sM_you = sM0
-        sS_you = sS0
-    full0 = bars.index(_FULL0)
-    full1 = bars.index(_FULL1)
-    qbar = bars.index(_QBAR)
-    p0bar = bars.index(_P0)
-    p1bar = bars.index(_P1)
-    qfree = bars.index(_QFREE)
+    sM_me, sS_me, sM_you, sS_you = _exchange(ROLE, sM0, sS0, sM1, sS1)
+    full0, full1, qbar, p0bar, p1bar, qfree = _barrier_views(bars)
 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)

@@ -32,20 +32,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from jax_mla.kernels.gluon.decode_sm90 import (
-    _FULL0,
-    _FULL1,
     _NUM_BARS,
-    _P0,
-    _P1,
-    _QBAR,
-    _QFREE,
     BLOCK_M,
     BLOCK_N,
     CHUNK,
     WORKER_REGS,
     _barrier,
+    _barrier_views,
     _chunk_rows,
     _cp_async,
+    _exchange,
     _init_barriers,
     _opaque,
     _work,
@@ -167,22 +163,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                                           warps_per_cta=[4, 1], order=[1, 0])
     LOADR: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                            warps_per_cta=[4, 1], order=[1, 0])
-    if ROLE == 0:
-        sM_me = sM0
-        sS_me = sS0
-        sM_you = sM1
-        sS_you = sS1
-    else:
-        sM_me = sM1
-        sS_me = sS1
-        sM_you = sM0
-        sS_you = sS0
-    full0 = bars.index(_FULL0)
-    full1 = bars.index(_FULL1)
-    qbar = bars.index(_QBAR)
-    p0bar = bars.index(_P0)
-    p1bar = bars.index(_P1)
-    qfree = bars.index(_QFREE)
+    sM_me, sS_me, sM_you, sS_you = _exchange(ROLE, sM0, sS0, sM1, sS1)
+    full0, full1, qbar, p0bar, p1bar, qfree = _barrier_views(bars)
 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)
