@@ -182,7 +182,7 @@ class TritonTuning:
     by default. ``sm90_fp8``: an fp8 query against an fp8 cache on Hopper through the Gluon
     two-warpgroup kernel (``kernels/gluon/decode_sm90_fp8.py``: fp8 wgmma scores, ``V`` in
     float16) where the 64-row tile serves it; off: the Triton 64-row tile. On by default (on
-    an H100, 2026-12-05: 1.36-1.45x faster than the Triton tile at four shapes).
+    an H100, 2026-12-05: 1.32-1.45x faster than the Triton tile at four shapes).
     """
 
     block_n: int | None = None
