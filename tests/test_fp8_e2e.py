@@ -226,15 +226,12 @@ def test_mixed_step_fp8_on_triton_matches_xla(rng, dtype):
     fp8 = dict(q_fp8=True, prefill_fp8=True)
     got = _step(p, dtype, backend="triton", config=jax_mla.PrefillTritonConfig(16, 16), **fp8)
     xla = _step(p, dtype, **fp8)
-    dec, _ = _errors(p, got, xla)
-    # Measured: decode ~5e-3 (the Triton decode dequantises the fp8 query to bf16).
-    assert dec < 1e-2, dec
-    # Prefill: both run the float32 path on the same dequantised values, summed in another
-    # order, so a value next to a bf16 rounding boundary may round the other way (one CI seed
-    # gave 6.4e-5 in norm): every element within one bf16 ulp of XLA's.
-    g, x = got[p["t_d"]:], xla[p["t_d"]:]
-    ulp = 2.0 ** -7 * np.maximum(np.abs(g), np.abs(x))
-    assert np.all(np.abs(g - x) <= ulp), np.max(np.abs(g - x) - ulp)
+    dec, pre = _errors(p, got, xla)
+    # Measured: decode ~5e-3 (the Triton decode dequantises the fp8 query to bf16). Prefill:
+    # both run the float32 path on the same dequantised values, summed in another order, so
+    # values next to a bf16 rounding boundary round the other way (CI seeds gave 6.4e-5 in norm,
+    # and an element 2 bf16 ulps apart); a wrong kernel is off by 1e-2 or more.
+    assert dec < 1e-2 and pre < 1e-3, (dec, pre)
     assert max(_errors(p, got, _oracle(p))) < TOL[dtype, True]
 
 
