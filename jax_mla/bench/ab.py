@@ -4,10 +4,10 @@
 ``name`` (the defaults) or ``name:FIELD=VALUE[,FIELD=VALUE]`` with fields of
 :class:`jax_mla.TritonTuning` (``general:affine_reduce=0``, ``line:split_plan=line``,
 ``bn32:block_n=32,num_stages=3``, ``ffi:launcher=ffi,planner=kernel``); a SHAPE is
-``B,H,S[,Q[,PAGE[,KV]]]``. Each variant is its own plan (the tuning object is part of it, so
-of the jit cache key): no environment, no cleared caches. For every shape the variants are timed
-in turn, ``--rounds`` times over (interleaved, so drift shows), and every output is compared
-with the first variant's.
+``B,H,S[,Q[,PAGE[,KV]]]``; ``--no-peers`` leaves FlashMLA out. Each variant is its own plan
+(the tuning object is part of it, so of the jit cache key): no environment, no cleared caches.
+For every shape the variants are timed in turn, ``--rounds`` times over (interleaved, so drift
+shows), and every output is compared with the first variant's.
 """
 
 from __future__ import annotations
@@ -148,11 +148,13 @@ def main(argv=None) -> int:
         i = argv.index("--rounds")
         rounds = int(argv[i + 1])
         del argv[i:i + 2]
+    with_peers = "--no-peers" not in argv
+    argv = [a for a in argv if a != "--no-peers"]
     path, rest = argv[0], argv[1:]
     split = rest.index("--")
     variants = [parse_variant(v) for v in rest[:split]]
     shapes = [Shape.parse(s) for s in rest[split + 1:]]
-    rows = run(shapes, variants, rounds)
+    rows = run(shapes, variants, rounds, peers=with_peers)
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
     return 0

@@ -37,6 +37,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   checkout has none, runs its GPU tests and the planning kernel's bit-exactness test;
   ``conformance_ffi``: the Triton half of the conformance suite through both (the GPU
   defaults);
+- ``update_modes``: the FFI path's two timers under each command-buffer update mode the
+  installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
   with the planning kernel) at :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both
   timers, metadata, command buffers, into ``launcher_ab.json``.
@@ -50,6 +52,7 @@ turns a folder of them into ``RESULTS.md``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -576,6 +579,44 @@ def stage_cmdbuf_chains(_):
                 JAX_MLA_FFI_LIBRARY=_ffi_library(), TF_CPP_MIN_LOG_LEVEL="0",
                 TF_CPP_VMODULE=cmdbuf.VMODULE, XLA_FLAGS=cmdbuf.PROFILE_WITH_COMMAND_BUFFERS,
                 **knobs)
+
+
+# XLA's ways of keeping a command buffer's addresses (``--xla_gpu_command_buffer_update_mode``):
+# the names differ between XLA versions; the stage times those the installed jaxlib knows.
+UPDATE_MODES = ("ALWAYS_UPDATE", "NEVER_UPDATE", "CAPTURE_CMD_NEVER_UPDATE", "SKIP_TEMP",
+                "SKIP_PROFILED", "DYNAMIC_ALLOCATE", "VMM_PERSISTENT_TEMP")
+DEFAULT_UPDATE_MODES = ("ALWAYS_UPDATE", "DYNAMIC_ALLOCATE")  # what "default" runs
+UPDATE_MODE_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "128,128,4096")
+
+
+def known_update_modes() -> list[str]:
+    """The :data:`UPDATE_MODES` whose names are in the installed jaxlib's binaries."""
+    import glob as _glob
+
+    import jaxlib
+
+    roots = [os.path.dirname(jaxlib.__file__)]
+    with contextlib.suppress(ImportError):
+        import jax_plugins
+
+        roots += list(jax_plugins.__path__)
+    blobs = [open(f, "rb").read() for root in roots
+             for f in _glob.glob(os.path.join(root, "**", "*.so*"), recursive=True)]
+    return [m for m in UPDATE_MODES if any(m.encode() in b for b in blobs)]
+
+
+def stage_update_modes(_):
+    """The FFI path's stream and GPU time under each command-buffer update mode this XLA knows,
+    a process each (XLA reads its flags once), to ``update_mode_<MODE>.json``; the default
+    flags run first as ``update_mode_default.json``."""
+    modes = known_update_modes()
+    log("update modes known here:", modes)
+    lib = _ffi_library()
+    for mode in ["default", *(m for m in modes if m not in DEFAULT_UPDATE_MODES)]:
+        flags = "" if mode == "default" else f"--xla_gpu_command_buffer_update_mode={mode}"
+        _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, f"update_mode_{mode}.json"),
+                 "--no-peers", "ffi", "--", *UPDATE_MODE_SHAPES, "--rounds", "2"], 150,
+                f"update mode {mode}", JAX_MLA_FFI_LIBRARY=lib, XLA_FLAGS=flags)
 
 
 def stage_memcheck_conformance(_):
