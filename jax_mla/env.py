@@ -35,6 +35,9 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   rather than a power of two where that needs no more blocks.
 - ``JAX_MLA_TRITON_SM90_FP8=0``: an fp8 query against an fp8 cache takes the Triton 64-row
   tile on Hopper rather than the Gluon two-warpgroup kernel (fp8 wgmma scores).
+- ``JAX_MLA_TRITON_SM90_SPLIT_Q=1``: a 16-bit query against an fp8 cache takes the Gluon fp8
+  kernel on Hopper where the 64-row tile serves it, the query split in two e4m3 parts in the
+  kernel, rather than the Triton 64-row tile.
 - ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
 - ``JAX_MLA_FFI_COMMAND_BUFFERS=0``: our FFI targets are registered without the command-buffer
   trait, so XLA launches them outside its command buffers (a measurement knob; read when the
@@ -87,7 +90,7 @@ ENV_VARS = (
     "JAX_MLA_TRITON_REDUCE_BLOCK_L", "JAX_MLA_SPLIT_PLAN", "JAX_MLA_TRITON_PLANNER",
     "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_TRITON_PDL", "JAX_MLA_TRITON_FP8_F16",
     "JAX_MLA_TRITON_FP8_QK", "JAX_MLA_TRITON_FP8_CONVERT_ONCE", "JAX_MLA_TRITON_POW2_HEAD_BLOCKS",
-    "JAX_MLA_TRITON_SM90_FP8",
+    "JAX_MLA_TRITON_SM90_FP8", "JAX_MLA_TRITON_SM90_SPLIT_Q",
     "JAX_MLA_FFI_LIBRARY", "JAX_MLA_FFI_COMMAND_BUFFERS", "JAX_MLA_FFI_INITIALIZE_STAGE",
     "JAX_MLA_FFI_PRELOAD",
     "JAX_MLA_CACHE_DIR",

@@ -368,6 +368,46 @@ def test_sm90_fp8_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, pag
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
+@pytest.mark.parametrize("num_heads, qlen, page_size, q_dtype, kv_dtype", [
+    (128, 1, 64, "bfloat16", "float8_e4m3fn"), (16, 4, 16, "bfloat16", "float8_e4m3fn"),
+    (16, 5, 1, "bfloat16", "float8_e5m2"), (32, 2, 128, "float16", "float8_e4m3fn")])
+def test_sm90_split_query_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, page_size,
+                                                  q_dtype, kv_dtype):
+    """A 16-bit query against an fp8 cache through the Gluon fp8 kernel, the query split in
+    the kernel into two e4m3 parts and a power-of-two scale a row
+    (``JAX_MLA_TRITON_SM90_SPLIT_Q``), on the long ragged requests of the fp8 case above, with
+    a cache scale and rows of very different magnitudes (one head's query 2^-12 of the others):
+    against the oracle, LSE included, and against the Triton 64-row tile. Hopper only (Gluon
+    has no interpreter; the compile is checked on CPU in ``test_gluon_sm90.py``)."""
+    from jax_mla.backends.triton import decode as tdecode
+    from jax_mla.problem import detect_target
+
+    if not detect_target().hopper:
+        pytest.skip("the Gluon fp8 kernel runs on Hopper GPUs (Gluon has no interpreter)")
+    monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "line")
+    case = make_case(rng, seq_lens=[9011, 0, qlen - 1, 4321, 777, 64, 129, 3000], qlen=qlen,
+                     num_heads=num_heads, page_size=page_size)
+    case.q[:, 1] *= 2.0 ** -12  # a row far smaller than its neighbours: its own scale
+    seen = []
+    real = tdecode._sm90_kernel
+    monkeypatch.setattr(tdecode, "_sm90_kernel", lambda fp8: seen.append(fp8) or real(fp8))
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("JAX_MLA_TRITON_SM90_SPLIT_Q", flag)  # read at planning
+        out, lse, wo, wl = run(case, "triton", jnp.dtype(q_dtype), kv_dtype=jnp.dtype(kv_dtype),
+                               kv_scale=0.05)
+        check(out, lse, wo, wl, TOL[jnp.bfloat16], jnp.bfloat16)
+        finite = np.isfinite(wl)
+        assert np.max(np.abs(np.asarray(lse)[finite] - wl[finite])) < 1e-2
+        outs[flag] = (np.asarray(out, np.float32), np.asarray(lse))
+    assert seen == [True], seen  # the Gluon fp8 kernel, then the Triton tile
+    np.testing.assert_allclose(outs["1"][0], outs["0"][0], rtol=2e-2, atol=2e-2)
+    finite = np.isfinite(outs["0"][1])
+    assert np.array_equal(finite, np.isfinite(outs["1"][1]))
+    assert np.max(np.abs(outs["1"][1][finite] - outs["0"][1][finite])) < 1e-2
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
 @pytest.mark.parametrize("num_heads, qlen, page_size", [(128, 1, 64), (16, 4, 16), (32, 1, 1)])
 def test_triton_64_row_tiles_long_ragged_bf16(rng, monkeypatch, num_heads, qlen, page_size):
     """Long, ragged requests in bf16: on a GPU, KV ranges split over many programs, programs

@@ -97,6 +97,45 @@ def test_sm90_fp8_kernel_compiles_to_its_design():
         assert k["spills"] == 0 and k["registers"] <= 255, (name, k)
 
 
+SPLIT_SCRIPT = r"""
+import json
+from jax_mla.backends.triton.aot import sm90_compile_report
+from jax_mla.backends.triton.compiler import ptxas_stats
+from triton.backends.compiler import GPUTarget
+out = {}
+for name, h, q, page, kv, query in [("h128", 128, 1, 64, "fp8e4nv", "bf16"),
+                                    ("h16_q4_page16_f16", 16, 4, 16, "fp8e4nv", "fp16"),
+                                    ("h32_q2_page1_e5m2", 32, 2, 1, "fp8e5", "bf16")]:
+    r = sm90_compile_report(h, q, page, fp8=kv, query=query)
+    ptx = r["ptx"]
+    out[name] = dict(shared=r["shared"], num_warps=r["num_warps"], wgmma=r["wgmma"],
+                     e4m3_from_f32=ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+                     mixed=ptx.count(".e4m3.e5m2"),
+                     **ptxas_stats(ptx, GPUTarget("cuda", 90, 32)))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
+def test_sm90_split_query_kernel_compiles_to_its_design():
+    """The fp8 kernel with a 16-bit query (``SPLIT_Q``): the query's two e4m3 parts doubled in
+    shared memory (72 KiB, about 225.6 KiB in all, under sm_90's 227 KiB a block), twice the
+    fp8 score products (hi and lo parts against the same tile), e4m3 x e5m2 products for an
+    e5m2 cache, and the parts made in the kernel from float32 (round to nearest, saturating)."""
+    from jax_mla.backends.triton.plan import gluon_available as _gluon_available
+
+    if not _gluon_available():
+        pytest.skip("this triton's Gluon lacks the sm_90 kernel's API")
+    r = run_compiler_script(SPLIT_SCRIPT, timeout=600)
+    for name, k in r.items():
+        assert k["num_warps"] == 8, (name, k)
+        assert 224 * 1024 < k["shared"] <= 227 * 1024, (name, k)
+        assert k["wgmma"] == {"m64n64k32": 2 * 2 * 18, "m64n256k16": 2 * 2 * 4}, (name, k)
+        assert k["e4m3_from_f32"] > 0, (name, k)
+        assert (k["mixed"] > 0) == name.endswith("e5m2"), (name, k)
+        assert k["registers"] <= 255, (name, k)
+
+
 def test_jax_triton_bridge_compiles_gluon_kernels_and_restores(monkeypatch):
     """``_compile_gluon`` on a stand-in of jax-triton's ``triton_lib`` (jax-triton cannot be
     imported without a GPU jaxlib): the Gluon source class, the Gluon IR entry, the stage swap

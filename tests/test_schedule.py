@@ -207,6 +207,11 @@ def test_sm90_kernel_knob_and_rules(monkeypatch):
     assert not sm90_supported(e4, e4, 512, 64, True)  # not asked for
     assert not sm90_supported(e4, e4, 256, 64, True, fp8=True)
     assert not sm90_supported(bf, e4, 512, 64, True, fp8=True)  # a bf16 query: the Triton tile
+    # ... unless split in two e4m3 parts in the Gluon fp8 kernel (``sm90_split_q``)
+    assert sm90_supported(bf, e4, 512, 64, True, split_q=True)
+    assert sm90_supported(f16, e5, 512, 64, False, split_q=True)
+    assert not sm90_supported(jnp.float32, e4, 512, 64, True, split_q=True)
+    assert not sm90_supported(bf, bf, 512, 64, True, split_q=True)
 
 
 @pytest.mark.parametrize("knob, page_size, want", [

@@ -37,6 +37,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   checkout has none, runs its GPU tests and the planning kernel's bit-exactness test;
   ``conformance_ffi``: the Triton half of the conformance suite through both (the GPU
   defaults);
+- ``split_q``: the Gluon fp8 kernel with a 16-bit query split in two e4m3 parts, its
+  conformance cases and an A/B against the Triton tiles (:data:`SPLIT_Q_AB`).
 - ``update_modes``: the FFI path's two timers under each command-buffer update mode the
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
@@ -376,6 +378,27 @@ def stage_sm90_fp8(_):
     name, variants, shapes = SM90_FP8_AB
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--", *shapes],
             300, name, JAX_MLA_FFI_LIBRARY=lib)
+
+
+# A 16-bit query against an fp8 cache through the Gluon fp8 kernel, the query split in two e4m3
+# parts (``sm90_split_q``), against the Triton 64-row tile; at 16 heads ``Q = 1`` (16 rows, the
+# Triton 16-row fp8 tile by default) also through the Gluon kernels' 64-row programs
+# (``min_block_m=64``), for a 16-bit and an fp8 query; bf16 beside.
+SPLIT_Q_AB = ("ab_split_q.json",
+              ("base", "sq:sm90_split_q=1", "sq64:sm90_split_q=1,min_block_m=64"),
+              ("128,128,4096,1,64,fp8", "32,128,4096,3,64,fp8", "64,16,4096,4,64,fp8",
+               "64,16,4096,1,64,fp8", "128,16,8192,1,64,fp8", "64,16,4096,1,64,fp8q",
+               "64,16,4096", "128,128,4096"))
+
+
+def stage_split_q(_):
+    """The split-query kernel's conformance cases (GPU only), then :data:`SPLIT_Q_AB`."""
+    lib = _ffi_library()
+    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
+             "sm90_split"], 240, "Gluon split-query kernel conformance", JAX_MLA_FFI_LIBRARY=lib)
+    name, variants, shapes = SPLIT_Q_AB
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--", *shapes,
+             "--no-peers"], 330, name, JAX_MLA_FFI_LIBRARY=lib)
 
 
 # Which head blocks the CUDA fp8 64-row tile gets wrong: 10, 9 and 21 heads a block were off

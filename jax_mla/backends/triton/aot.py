@@ -38,7 +38,7 @@ def wgmma_shapes(ptx: str) -> dict:
         re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
 
 
-def _bf16_signature(consts: dict, q: str = "bf16", kv: str = "bf16") -> dict:
+def _decode_signature(consts: dict, q: str = "bf16", kv: str = "bf16") -> dict:
     """Signature, constexprs and alignment attributes of a decode launch (every decode kernel
     takes the same arrays; a bf16 query and cache unless ``q`` / ``kv`` name Triton types such
     as ``fp8e4nv``; the output is bf16), for ahead-of-time compiles."""
@@ -68,17 +68,18 @@ def compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *, wg_spl
                                max_pages=64, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
                                scale=1 / 192 ** 0.5)
     cc, rewrites = compile_for_target(
-        _decode_kernels().mla_decode_kernel, **_bf16_signature(consts),
+        _decode_kernels().mla_decode_kernel, **_decode_signature(consts),
         target=GPUTarget("cuda", arch, 32), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dict(shared=cc.metadata.shared, rewrites=rewrites, wgmma=wgmma_shapes(cc.asm["ptx"]),
                 ttgir=cc.asm["ttgir"], ptx=cc.asm["ptx"], config=cfg)
 
 
 def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
-                        arch: int = 90, fp8: str | None = None) -> dict:
+                        arch: int = 90, fp8: str | None = None, query: str = "fp8e4nv") -> dict:
     """Compile a Gluon sm_90 decode kernel as the backend would (no GPU needed): the bf16 one,
-    or with ``fp8`` (the cache's Triton type, ``fp8e4nv`` or ``fp8e5``) the fp8 one, an e4m3
-    query with both scales.
+    or with ``fp8`` (the cache's Triton type, ``fp8e4nv`` or ``fp8e5``) the fp8 one with both
+    scales, for an e4m3 query (``query``, the default) or a 16-bit one (``"bf16"``/``"fp16"``,
+    split in two e4m3 parts in the kernel).
 
     Returns ``{"shared": bytes, "num_warps": total warps, "wgmma": {shape: count in the PTX},
     "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
@@ -96,10 +97,11 @@ def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
                              max_pages=64, kv_lora_rank=512, rope_dim=64, scale=1 / 192 ** 0.5)
     types = {}
     if fp8 is not None:
-        consts |= dict(HAS_KV_SCALE=True, HAS_Q_SCALE=True)
-        types = dict(q="fp8e4nv", kv=fp8)
+        split = not query.startswith("fp8")
+        consts |= dict(HAS_KV_SCALE=True, HAS_Q_SCALE=not split, SPLIT_Q=split)
+        types = dict(q=query, kv=fp8)
     cc, _ = compile_for_target(_sm90_kernel(fp8 is not None),
-                               **_bf16_signature(consts, **types),
+                               **_decode_signature(consts, **types),
                                target=GPUTarget("cuda", arch, 32), num_warps=cfg.num_warps)
     return dict(shared=cc.metadata.shared, num_warps=cc.metadata.num_warps,
                 wgmma=wgmma_shapes(cc.asm["ptx"]), ptx=cc.asm["ptx"], config=cfg)

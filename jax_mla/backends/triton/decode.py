@@ -93,11 +93,15 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
     shape = dict(num_heads=h, qlen=md.qlen, page_size=md.page_size, max_pages=md.max_pages,
                  kv_lora_rank=lr, rope_dim=rd, scale=scale, num_pages=kv_cache.shape[0])
     if cfg.sm90:
-        # The plan takes the Gluon kernel for an fp8 query only with fp8 scores (``sm90_fp8``).
-        kernel = _sm90_kernel(fp8_qk)
+        # The plan takes the Gluon kernel for an fp8 query only with fp8 scores (``sm90_fp8``),
+        # and for a 16-bit query against an fp8 cache only split in two e4m3 parts there
+        # (``sm90_split_q``).
+        fp8_cache = is_fp8(kv_cache.dtype)
+        kernel = _sm90_kernel(fp8_cache)
         consts = sm90_constexprs(cfg, **shape)
-        if fp8_qk:
-            consts |= dict(HAS_KV_SCALE=has_scale, HAS_Q_SCALE=q_scale is not None)
+        if fp8_cache:
+            consts |= dict(HAS_KV_SCALE=has_scale, HAS_Q_SCALE=fp8_qk and q_scale is not None,
+                           SPLIT_Q=not is_fp8(q.dtype))
     else:
         kernel = _kernels().mla_decode_kernel
         consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,

@@ -183,6 +183,10 @@ class TritonTuning:
     two-warpgroup kernel (``kernels/gluon/decode_sm90_fp8.py``: fp8 wgmma scores, ``V`` in
     float16) where the 64-row tile serves it; off: the Triton 64-row tile. On by default (on
     an H100, 2026-12-05: 1.32-1.45x faster than the Triton tile at four shapes).
+    ``sm90_split_q``: a 16-bit query against an fp8 cache through the same Gluon kernel, the
+    query split in the kernel into two e4m3 parts and a power-of-two scale a row (exact for a
+    bf16 query but for elements under ``2^-9`` of their row's largest), so the scores are fp8
+    products too; off: the Triton 64-row tile (bf16 products of the converted tile).
     """
 
     block_n: int | None = None
@@ -206,6 +210,7 @@ class TritonTuning:
     fp8_convert_once: bool = True
     pow2_head_blocks: bool = True
     sm90_fp8: bool = True
+    sm90_split_q: bool = False
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -240,6 +245,7 @@ class TritonTuning:
             fp8_convert_once=env.read_flag("JAX_MLA_TRITON_FP8_CONVERT_ONCE", True),
             pow2_head_blocks=env.read_flag("JAX_MLA_TRITON_POW2_HEAD_BLOCKS", True),
             sm90_fp8=env.read_flag("JAX_MLA_TRITON_SM90_FP8", True),
+            sm90_split_q=env.read_flag("JAX_MLA_TRITON_SM90_SPLIT_Q", False),
         )
 
     @property
@@ -329,14 +335,19 @@ def gluon_available() -> bool:
 
 
 def sm90_supported(q_dtype, kv_dtype, kv_lora_rank: int, rope_dim: int, has_kv_scale: bool,
-                   *, fp8: bool = False) -> bool:
+                   *, fp8: bool = False, split_q: bool = False) -> bool:
     """What the Gluon sm_90 kernels serve, DeepSeek geometry only: a 16-bit query and cache of
-    one dtype with no cache scale (``kernels/gluon/decode_sm90.py``), and with ``fp8`` an fp8
-    query against an fp8 cache, scales allowed (``decode_sm90_fp8.py``, fp8 scores)."""
+    one dtype with no cache scale (``kernels/gluon/decode_sm90.py``); with ``fp8`` an fp8
+    query against an fp8 cache, scales allowed (``decode_sm90_fp8.py``, fp8 scores), and with
+    ``split_q`` a 16-bit query against an fp8 cache (the same kernel, the query split in two
+    e4m3 parts)."""
     if (kv_lora_rank, rope_dim) != (512, 64):
         return False
     if is_fp8(q_dtype) and is_fp8(kv_dtype):
         return fp8
+    sixteen = jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if is_fp8(kv_dtype):
+        return split_q and sixteen
     return (jnp.dtype(q_dtype) == jnp.dtype(kv_dtype)
             and jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and not has_kv_scale)
@@ -348,6 +359,12 @@ def sm90_fp8(tuning: TritonTuning, page_size: int) -> bool:
     :func:`sm90_fp8_page_size` allows)."""
     return bool(tuning.sm90_fp8 and tuning.fp8_qk and tuning.sm90_kernel
                 and sm90_fp8_page_size(page_size))
+
+
+def sm90_split_q(tuning: TritonTuning, page_size: int) -> bool:
+    """Whether the Gluon fp8 kernel may serve a 16-bit query against an fp8 cache at
+    ``page_size`` (``TritonTuning.sm90_split_q``; the page sizes of :func:`sm90_fp8_page_size`)."""
+    return bool(tuning.sm90_split_q and tuning.sm90_kernel and sm90_fp8_page_size(page_size))
 
 
 def sm90_fp8_page_size(page_size: int) -> bool:
@@ -498,7 +515,8 @@ def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = N
     tuning = TritonTuning.from_env() if tuning is None else tuning
     p, target = problem, problem.target
     sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale,
-                          fp8=sm90_fp8(tuning, p.page_size))
+                          fp8=sm90_fp8(tuning, p.page_size),
+                          split_q=sm90_split_q(tuning, p.page_size))
     cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning,
                         kv_dtype=p.kv_dtype)
     programs = num_programs(cfg, target)

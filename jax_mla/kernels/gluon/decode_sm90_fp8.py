@@ -36,6 +36,7 @@ from jax_mla.kernels.gluon.decode_sm90 import (
     BLOCK_M,
     BLOCK_N,
     CHUNK,
+    NUM_THREADS_WG,
     WORKER_REGS,
     _barrier,
     _barrier_views,
@@ -50,12 +51,18 @@ from jax_mla.kernels.gluon.decode_sm90 import (
 
 
 @gluon.jit
-def _views(sQn3, sQr3, sKn, sKr, sV, sP, counter):
-    """``Q``, both KV buffers, both ``V`` halves and both ``P`` buffers as views indexed by an
-    opaque 0 formed here (see ``decode_sm90._opaque``); ``counter``: any loop-variant integer."""
+def _views(sQn3, sQr3, sKn, sKr, sV, sP, counter, SPLIT_Q: gl.constexpr):
+    """``Q`` (and with ``SPLIT_Q`` its low part; else ``Q`` again), both KV buffers, both ``V``
+    halves and both ``P`` buffers as views indexed by an opaque 0 formed here (see
+    ``decode_sm90._opaque``); ``counter``: any loop-variant integer."""
     z = _opaque(counter * 0)
-    return (sQn3.index(z), sQr3.index(z), sKn.index(z), sKr.index(z), sKn.index(z + 1),
-            sKr.index(z + 1), sV.index(z), sV.index(z + 1), sP.index(z), sP.index(z + 1))
+    if SPLIT_Q:
+        zq = z + 1
+    else:
+        zq = z
+    return (sQn3.index(z), sQr3.index(z), sQn3.index(zq), sQr3.index(zq), sKn.index(z),
+            sKr.index(z), sKn.index(z + 1), sKr.index(z + 1), sV.index(z), sV.index(z + 1),
+            sP.index(z), sP.index(z + 1))
 
 
 @gluon.jit
@@ -132,6 +139,61 @@ def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB:
 
 
 @gluon.jit
+def _split_rows(x, inv, ROWS: gl.constexpr):
+    """``x * inv`` (float32, ``inv`` a power of two a row) as ``hi + lo``, both e4m3: ``hi`` is
+    the nearest e4m3, ``lo`` the nearest to what is left (``x * inv - hi`` is exact in float32)."""
+    y = x * gl.convert_layout(inv, ROWS)[:, None]
+    hi = y.to(gl.float8e4nv)
+    lo = (y - hi.to(gl.float32)).to(gl.float8e4nv)
+    return hi, lo
+
+
+@gluon.jit
+def _load_q_split(sQn, sQr, sQn_lo, sQr_lo, sQs, q_ptr, qo_start, hb, H: gl.constexpr,
+                  Q: gl.constexpr, HB: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+                  LOAD: gl.constexpr, LOADR: gl.constexpr):
+    """A 16-bit query's rows ``m = t * HB + h`` as two e4m3 parts and a scale a row:
+    ``q = s * (hi + lo)`` with ``s`` the power of two that puts the row's largest magnitude in
+    ``[128, 256)``. For a bf16 row the parts are exact wherever ``|q| >= 2^-9 max |q|`` (``hi``
+    holds a bf16 value's top 4 significant bits, ``lo`` the other 4); smaller elements are off by
+    at most ``2^-17 max |q|``. A row holding an infinity or a NaN gets the scale NaN (the scores
+    go NaN, as the products would). Rows past the verify block or the heads read as 0; scales to
+    ``sQs`` ``[BLOCK_M]``. Plain stores: the caller fences and arrives."""
+    D: gl.constexpr = L + R
+    ROW: gl.constexpr = gl.SliceLayout(1, LOAD)
+    ROWR: gl.constexpr = gl.SliceLayout(1, LOADR)
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LOAD))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOADR))
+    for r0 in gl.static_range(0, BLOCK_M, CHUNK):
+        m = r0 + gl.arange(0, CHUNK, layout=ROW)
+        t = m // HB
+        head = hb * HB + m % HB
+        ok = (t < Q) & (head < H)
+        qrow = (qo_start + gl.minimum(t, Q - 1)).to(gl.int64) * H + gl.minimum(head, H - 1)
+        base = q_ptr + qrow * D
+        x = gl.load(base[:, None] + offs_l[None, :], mask=ok[:, None] & (offs_l[None, :] >= 0),
+                    other=0.0).to(gl.float32)
+        base_r = gl.convert_layout(base, ROWR)
+        ok_r = gl.convert_layout(ok, ROWR)
+        xr = gl.load(base_r[:, None] + L + offs_r[None, :],
+                     mask=ok_r[:, None] & (offs_r[None, :] >= 0), other=0.0).to(gl.float32)
+        amax = gl.maximum(gl.max(gl.abs(x), axis=1),
+                          gl.convert_layout(gl.max(gl.abs(xr), axis=1), ROW))
+        # The biased exponent e of the row's max: s = 2^(e - 134), 1 / s = 2^(134 - e), both
+        # normal for e >= 8 (smaller rows, zero ones included, take e = 8).
+        e = gl.maximum((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF, 8)
+        inv = ((261 - e) << 23).to(gl.float32, bitcast=True)
+        scale = gl.where(e == 255, float("nan"), ((e - 7) << 23).to(gl.float32, bitcast=True))
+        hi, lo = _split_rows(x, inv, ROW)
+        sQn.slice(r0, CHUNK, dim=0).store(hi)
+        sQn_lo.slice(r0, CHUNK, dim=0).store(lo)
+        hi_r, lo_r = _split_rows(xr, inv, ROWR)
+        sQr.slice(r0, CHUNK, dim=0).store(hi_r)
+        sQr_lo.slice(r0, CHUNK, dim=0).store(lo_r)
+        sQs.slice(r0, CHUNK).store(scale)
+
+
+@gluon.jit
 def _convert_v(dst, src, CVT: gl.constexpr):
     """``dst`` (float16 ``[BLOCK_N, L/2]``) = ``src`` (the fp8 tile's half of ``V``), 16 rows
     at a time through registers (exact). The caller fences and syncs before an MMA reads it."""
@@ -141,12 +203,21 @@ def _convert_v(dst, src, CVT: gl.constexpr):
 
 
 @gluon.jit
+def _scaled(s, qk, SPLIT_Q: gl.constexpr):
+    """The scores times their scale: one for the tile, or with ``SPLIT_Q`` one a row."""
+    if SPLIT_Q:
+        return s * qk[:, None]
+    else:
+        return s * qk
+
+
+@gluon.jit
 def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
           qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-          sQn3, sQr3, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars,
+          sQn3, sQr3, sQs, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars,
           H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
           L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
-          L2_HINTS: gl.constexpr, NUM_PAGES: gl.constexpr):
+          L2_HINTS: gl.constexpr, NUM_PAGES: gl.constexpr, SPLIT_Q: gl.constexpr):
     """One warpgroup's part of every work of this program (``ROLE`` 0 or 1, see the module)."""
     D: gl.constexpr = L + R
     LH: gl.constexpr = L // 2
@@ -174,12 +245,19 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
         wi = w - w0
         ploc, qo_start, lo, hi, seq, bt_row, n_pairs = _work(work_ptr, kv_indptr_ptr, bt_ptr, w,
                                                              MAX_PAGES)
-        sQn, sQr, sKn0, sKr0, sKn1, sKr1, sV0, sV1, sP0, sP1 = _views(sQn3, sQr3, sKn, sKr, sV,
-                                                                      sP, wi)
+        sQn, sQr, sQnl, sQrl, sKn0, sKr0, sKn1, sKr1, sV0, sV1, sP0, sP1 = _views(
+            sQn3, sQr3, sKn, sKr, sV, sP, wi, SPLIT_Q)
         if ROLE == 0:
             mbarrier.wait(qfree, (wi - 1) & 1, pred=wi > 0)
-            _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR)
-            async_copy.mbarrier_arrive(qbar, increment_count=False)
+            if SPLIT_Q:
+                _load_q_split(sQn, sQr, sQnl, sQrl, sQs, q_ptr, qo_start, hb, H, Q, HB, L, R,
+                              LOAD, LOADR)
+                fence_async_shared()
+                _barrier()
+                mbarrier.arrive(qbar, count=NUM_THREADS_WG)
+            else:
+                _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR)
+                async_copy.mbarrier_arrive(qbar, increment_count=False)
         # Pair 0 of this work: each role copies the regions it is the last reader of.
         if n_pairs > 0:
             rows_a = _tile_rows(bt_row, lo, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
@@ -199,6 +277,10 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                 _load_part(sKr1, kv_ptr, rows_b, lo + BLOCK_N, hi, L, R, D, LOADR)
                 async_copy.mbarrier_arrive(full1, increment_count=False)
         mbarrier.wait(qbar, wi & 1)
+        if SPLIT_Q:
+            qk = qk_scale * sQs.load(ROW_S)  # the rows' scales (read before Q can be freed)
+        else:
+            qk = qk_scale
 
         bound = seq - Q + t_s + 1  # row t sees positions < seq - Q + t + 1
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
@@ -211,19 +293,22 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             nrows_a = _tile_rows(bt_row, nxt, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
             nrows_b = _tile_rows(bt_row, nxt + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD,
                                  NUM_PAGES)
-            sQn, sQr, sKn0, sKr0, sKn1, sKr1, sV0, sV1, sP0, sP1 = _views(sQn3, sQr3, sKn, sKr,
-                                                                          sV, sP, pc)
+            sQn, sQr, sQnl, sQrl, sKn0, sKr0, sKn1, sKr1, sV0, sV1, sP0, sP1 = _views(
+                sQn3, sQr3, sKn, sKr, sV, sP, pc, SPLIT_Q)
             if ROLE == 0:
                 mbarrier.wait(full0, ph)
                 fence_async_shared()
                 s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
                 s = warpgroup_mma(sQn, sKn0.permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma(sQr, sKr0.permute((1, 0)), s, is_async=True)
+                if SPLIT_Q:
+                    s = warpgroup_mma(sQnl, sKn0.permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma(sQrl, sKr0.permute((1, 0)), s, is_async=True)
                 _convert_v(sV0, sKn0.slice(0, LH, dim=1), LOAD)  # V0's left half, under them
                 s = warpgroup_mma_wait(0, deps=[s])
                 pos = start + offs_n
                 keep = (pos[None, :] < hi) & (pos[None, :] < bound[:, None])
-                s = gl.where(keep, s * qk_scale, float("-inf"))
+                s = gl.where(keep, _scaled(s, qk, SPLIT_Q), float("-inf"))
                 m0 = gl.maximum(m_i, gl.max(s, axis=1))
                 m0s = gl.where(m0 == float("-inf"), 0.0, m0)
                 p = gl.exp2(s - m0s[:, None])
@@ -270,11 +355,14 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                 s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
                 s = warpgroup_mma(sQn, sKn1.permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma(sQr, sKr1.permute((1, 0)), s, is_async=True)
+                if SPLIT_Q:
+                    s = warpgroup_mma(sQnl, sKn1.permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma(sQrl, sKr1.permute((1, 0)), s, is_async=True)
                 _convert_v(sV1, sKn0.slice(LH, LH, dim=1), LOAD)
                 s = warpgroup_mma_wait(0, deps=[s])
                 pos = start + offs_n
                 keep = (pos[None, :] < hi) & (pos[None, :] < bound[:, None])
-                s = gl.where(keep, s * qk_scale, float("-inf"))
+                s = gl.where(keep, _scaled(s, qk, SPLIT_Q), float("-inf"))
                 mbarrier.wait(p0bar, ph)
                 m0 = sM_you.load(ROW_S)
                 rs0 = sS_you.load(ROW_S)
@@ -333,7 +421,7 @@ def mla_decode_sm90_fp8_kernel(
     HB: gl.constexpr, NUM_HB: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
     PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr, L2_HINTS: gl.constexpr = False,
     NUM_PAGES: gl.constexpr = 2147483647, HAS_KV_SCALE: gl.constexpr = False,
-    HAS_Q_SCALE: gl.constexpr = False,
+    HAS_Q_SCALE: gl.constexpr = False, SPLIT_Q: gl.constexpr = False,
 ):
     """Grid: persistent programs x head blocks, head block fastest (as the bf16 kernel).
     ``kv_scale_ptr``: ``[kv_scale]``, or ``[kv_scale, q_scale]`` with ``HAS_Q_SCALE``.
@@ -356,8 +444,12 @@ def mla_decode_sm90_fp8_kernel(
     NV16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                               rank=2)
     VEC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    sQn = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, BLOCK_M, L], NV8)
-    sQr = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, BLOCK_M, R], NV8R)
+    if SPLIT_Q:  # a 16-bit query held as two e4m3 parts
+        sQn = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, L], NV8)
+        sQr = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, R], NV8R)
+    else:
+        sQn = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, BLOCK_M, L], NV8)
+        sQr = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [1, BLOCK_M, R], NV8R)
     sKn = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N, L], NV8)
     sKr = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N, R], NV8R)
     sV = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, LH], NV16)
@@ -366,15 +458,16 @@ def mla_decode_sm90_fp8_kernel(
     sS0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     sM1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     sS1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
+    sQs = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)  # the query rows' scales
     bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
     _init_barriers(bars)
     gl.warp_specialize(
         [(_role, (gl.constexpr(0), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
-                  sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R,
-                  PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES)),
+                  sQs, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R,
+                  PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES, SPLIT_Q)),
          (_role, (gl.constexpr(1), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
-                  sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R,
-                  PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES))],
+                  sQs, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R,
+                  PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES, SPLIT_Q))],
         [4], [WORKER_REGS])
