@@ -7,8 +7,9 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 session on an earlier tree, for a before/after table), ``kernels.json`` and ``kernels_before.json``
 (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``, ``aiter_bridge.json``, ``ab.json``,
 ``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_fp8_head_blocks.json``, ``ab_sm90_fp8.json``,
-``ab_pdl.json``, ``stream_execute.json``, ``stream_initialize.json``, ``cmdbuf.json``,
-``cmdbuf_chains*.json``, ``launcher_ab.json``,
+``ab_pdl.json``, ``ab_split_q.json``, ``update_mode_*.json`` (the FFI path under each XLA
+command-buffer update mode, a process each), ``stream_execute.json``,
+``stream_initialize.json``, ``cmdbuf.json``, ``cmdbuf_chains*.json``, ``launcher_ab.json``,
 ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json`` (the GPU test
 summary), and ``tried.md`` (what was measured and kept or dropped, in words), and writes
 ``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
@@ -18,6 +19,7 @@ in-run probes are shown beside them, since they move with the GPU's clocks from 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -136,6 +138,22 @@ def dcp_table(data) -> str:
     return "\n".join(out)
 
 
+def update_modes_table(by_mode: dict) -> str:
+    """``update_mode_<MODE>.json`` (the session's ``update_modes`` stage): per shape and XLA
+    command-buffer update mode, stream and GPU time and their ratio (one process a mode)."""
+    out = ["| shape | update mode | stream µs | GPU µs | stream ÷ GPU |", "|---|---|---|---|---|"]
+    shapes = list(dict.fromkeys(r["shape"] for rows in by_mode.values() for r in rows))
+    for shape in shapes:
+        for mode, rows in by_mode.items():
+            for r in rows:
+                if r["shape"] != shape or r["variant"] == "flashmla":
+                    continue
+                gpu = r.get("gpu_us")
+                ratio = f"{r['best_us'] / gpu:.3f}" if gpu else "-"
+                out.append(f"| {shape} | {mode} | {r['best_us']:.1f} | {_f(gpu)} | {ratio} |")
+    return "\n".join(out)
+
+
 def ab_table(rows) -> str:
     out = ["| shape | variant | best stream µs | × first | GPU µs | rel err vs first | "
            "LSE max abs err vs first |", "|---|---|---|---|---|---|---|"]
@@ -155,6 +173,8 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
              "fp8 64-row tile (CUDA): which head blocks are right (same run)"),
             ("ab_sm90_fp8.json", "The Gluon fp8 kernel against the Triton tile (same run)"),
             ("ab_pdl.json", "Programmatic dependent launch (same run)"),
+            ("ab_split_q.json", "A 16-bit query against an fp8 cache: the Gluon fp8 kernel "
+             "with the query split in two e4m3 parts against the Triton tiles (same run)"),
             ("stream_execute.json", "Stream time, XLA's execute stage only (one process)"),
             ("stream_initialize.json",
              "Stream time, XLA's initialize stage registered too (another process)"))
@@ -319,6 +339,13 @@ def report(folder: str) -> str:
         ab = _load(folder, file)
         if ab:
             parts += [f"## {title}", "", ab_table(ab), ""]
+    modes = {os.path.basename(f)[len("update_mode_"):-len(".json")]: _load(
+        folder, os.path.basename(f)) for f in sorted(glob.glob(os.path.join(folder,
+                                                                           "update_mode_*.json")))}
+    modes = {k: v for k, v in modes.items() if v}
+    if modes:
+        parts += ["## Stream time under XLA's command-buffer update modes (a process each)", "",
+                  update_modes_table(modes), ""]
     cb = _load(folder, "cmdbuf.json")
     if cb:
         parts += ["## Command buffers around the chain (one process per XLA flag set)", "",
