@@ -16,7 +16,9 @@ Per binary: shared memory / LDS (Triton's metadata), registers and spills (CUDA:
 report of the installed Triton's own cubin step, its ptxas and flags; AMD: the AMDGPU metadata
 of the assembly, VGPRs counting AGPRs), and the programs an SM / CU holds at once
 (:func:`occupancy`). The exit status is 1 when a row exceeds its target's :data:`LIMITS`
-(shared memory, registers) or spills at all.
+(shared memory, registers) or spills at all. Where a CUDA binary spills, the row also says how
+many spill instructions sit in its innermost loops (``loop_spills``, from the SASS): those run
+once a KV tile, the others once a work.
 
 These are compiles, not runs: a kernel that fits may still be slow, and nothing here needs (or
 touches) a GPU. Needs Triton's real compiler, so ``TRITON_INTERPRET`` must be unset.
@@ -363,7 +365,9 @@ def problems(row: dict, target_name: str) -> list[str]:
     if row["registers"] > lim.registers:
         out.append(f"registers {row['registers']} > {lim.registers}")
     if row["spills"]:
-        out.append(f"spills {row['spills']}")
+        where = ("" if row.get("loop_spills") is None else
+                 f" ({row['loop_spills']} spill instructions in innermost loops)")
+        out.append(f"spills {row['spills']}{where}")
     if "programs" in row and row["programs"] > row["occupancy"] * row["cores"]:
         out.append(f"persistent grid of {row['programs']} programs > {row['occupancy']} "
                    f"resident a core x {row['cores']} cores")

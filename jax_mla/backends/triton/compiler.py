@@ -33,6 +33,7 @@ import functools
 import logging
 import os
 import re
+import subprocess
 import tempfile
 import threading
 
@@ -288,7 +289,7 @@ def ptxas_stats(ptx: str, target, options: dict | None = None) -> dict:
     log_out = io.StringIO()
     with _PTXAS_LOCK, knobs.nvidia.scope(), contextlib.redirect_stdout(log_out):
         knobs.nvidia.dump_ptxas_log = True
-        backend.make_cubin(ptx, {}, opt, target.arch)
+        cubin = backend.make_cubin(ptx, {}, opt, target.arch)
     log_text = log_out.getvalue()
 
     def total(pattern):
@@ -296,9 +297,46 @@ def ptxas_stats(ptx: str, target, options: dict | None = None) -> dict:
 
     if "Used" not in log_text:
         raise RuntimeError(f"no ptxas -v report in Triton's cubin step: {log_text[-500:]!r}")
-    return dict(registers=total(r"Used (\d+) registers"),
-                spills=total(r"(\d+) bytes spill stores") + total(r"(\d+) bytes spill loads"),
-                scratch=total(r"(\d+) bytes stack frame"))
+    stats = dict(registers=total(r"Used (\d+) registers"),
+                 spills=total(r"(\d+) bytes spill stores") + total(r"(\d+) bytes spill loads"),
+                 scratch=total(r"(\d+) bytes stack frame"))
+    if stats["spills"]:
+        with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
+            stats["loop_spills"] = sass_loop_spills(cubin)
+    return stats
+
+
+# Backward branches over at most this many instructions are spin loops (barrier waits), not
+# loops of the kernel's own.
+_SPIN_LOOP = 8
+
+
+def sass_loop_spills(cubin: bytes) -> int:
+    """Spill instructions (``STL``/``LDL``) inside the innermost loops of a cubin's SASS (read
+    with the ``cuobjdump`` Triton ships): a loop is a backward branch's range, innermost where it
+    holds no other loop (spin loops of a few instructions, barrier waits, do not count). Spills
+    outside them run once a work, not once a KV tile."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+                              check=True, timeout=120).stdout
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    if not ins:
+        raise RuntimeError("no SASS in cuobjdump's output")
+    step = ins[1][0] - ins[0][0] if len(ins) > 1 else 16
+    loops = [(int(m.group(1), 16), a) for a, t in ins
+             for m in [re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", t)]
+             if m and int(m.group(1), 16) < a and (a - int(m.group(1), 16)) // step > _SPIN_LOOP]
+    inner = [(lo, hi) for lo, hi in loops
+             if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops)]
+    return sum(1 for a, t in ins if re.search(r"\b(STL|LDL)\b", t)
+               and any(lo <= a <= hi for lo, hi in inner))
 
 
 @functools.cache
