@@ -137,3 +137,25 @@ def test_only_hopper_gets_the_wgmma_defaults(monkeypatch, cc, want):
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(compute_capability=cc)])
     assert detect_target.__wrapped__("cuda").hopper is want
     assert detect_target.__wrapped__("rocm").hopper is False
+
+
+def test_loop_spills_counts_spills_inside_innermost_loops_only():
+    """``compiler.loop_spills_of_sass``: a spill in the innermost loop counts, one in the outer
+    loop or before any loop does not, and a barrier's spin loop (a few instructions) is no
+    loop."""
+    from jax_mla.backends.triton.compiler import loop_spills_of_sass
+
+    def ins(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;   /* 0x0 */"
+
+    body = [ins(0x00, "STL [R1], R0")]  # prologue
+    body += [ins(0x10 * i, "IADD3 R2, R2, 0x1, RZ") for i in range(1, 4)]
+    body += [ins(0x40, "LDL R3, [R1]")]  # outer loop body
+    body += [ins(0x10 * i, "FFMA R4, R4, R4, R4") for i in range(5, 20)]
+    body += [ins(0x140, "STL [R1+0x4], R4")]  # inner loop body
+    body += [ins(0x10 * i, "FFMA R4, R4, R4, R4") for i in range(21, 40)]
+    body += [ins(0x280, "@P0 BRA 0x50")]  # inner loop: 0x50 .. 0x280
+    body += [ins(0x290, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R5], R6")]
+    body += [ins(0x2a0, "LDL R7, [R1+0x8]"), ins(0x2b0, "@!P1 BRA 0x290")]  # a spin loop
+    body += [ins(0x2c0, "@P2 BRA 0x10")]  # outer loop: 0x10 .. 0x2c0
+    assert loop_spills_of_sass("\n".join(body)) == 1

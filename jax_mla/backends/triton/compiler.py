@@ -326,6 +326,11 @@ def sass_loop_spills(cubin: bytes) -> int:
             f.write(cubin)
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
                               check=True, timeout=120).stdout
+    return loop_spills_of_sass(sass)
+
+
+def loop_spills_of_sass(sass: str) -> int:
+    """:func:`sass_loop_spills` on ``cuobjdump -sass`` text."""
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     if not ins:
         raise RuntimeError("no SASS in cuobjdump's output")
