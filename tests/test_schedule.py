@@ -221,7 +221,8 @@ def test_sm90_fp8_kernel_plan(monkeypatch, knob, page_size, want):
     """The Gluon fp8 kernel (``JAX_MLA_TRITON_SM90_FP8``, on by default) is planned for an fp8
     query and cache on Hopper at 64-row tiles and the page sizes it compiles cleanly for; its
     plan takes the cache scale (the bf16 Gluon kernel's does not); off, or at other page
-    sizes: the Triton 64-row tile. Not with fp8 scores off, nor for 16-row tiles."""
+    sizes: the Triton 64-row tile. Not with fp8 scores off. At 16 rows or fewer, its 64-row
+    programs where it serves, the Triton 16-row tile where it does not."""
     from jax_mla.backends.triton.plan import make_plan
     from jax_mla.problem import DecodeProblem, Target
 
@@ -239,7 +240,11 @@ def test_sm90_fp8_kernel_plan(monkeypatch, knob, page_size, want):
     p, problem = plan(128, 1)
     assert p.kernel.sm90 is want and p.kernel.block_m == 64
     assert p.mismatches(problem) == []
-    assert not plan(16, 1)[0].kernel.sm90  # a 16-row tile
+    # 16 rows or fewer: the Gluon kernel's 64-row programs where it serves (faster than the
+    # Triton 16-row tile on an H100), else the 16-row tile.
+    for heads in (16, 1):
+        small = plan(heads, 1)[0].kernel
+        assert small.sm90 is want and small.block_m == (64 if want else 16), small
     monkeypatch.setenv("JAX_MLA_TRITON_FP8_QK", "0")
     assert not plan(128, 1)[0].kernel.sm90
 
