@@ -368,6 +368,10 @@ def test_sm90_fp8_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, pag
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
+@pytest.mark.xfail(strict=True, reason="the split-query kernel's outputs were wrong on an H100 "
+                   "(2026-12-06: relative error 2.5, NaN in verify rows); experimental and off "
+                   "until fixed (plan.TritonTuning.sm90_split_q)")
+@pytest.mark.filterwarnings("ignore:jax_mla. TritonTuning.sm90_split_q")
 @pytest.mark.parametrize("num_heads, qlen, page_size, q_dtype, kv_dtype", [
     (128, 1, 64, "bfloat16", "float8_e4m3fn"), (16, 4, 16, "bfloat16", "float8_e4m3fn"),
     (16, 5, 1, "bfloat16", "float8_e5m2"), (32, 2, 128, "float16", "float8_e4m3fn")])
