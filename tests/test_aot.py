@@ -136,9 +136,10 @@ def test_sm90_gluon_kernel_fits():
 
 @needs_cuda
 def test_sm90_fp8_16_row_tile_fits():
-    """An fp8 cache at 16 rows or fewer (1-16 heads at Q = 1, verify at few heads): 16-token KV
-    tiles at four stages (``plan.CUDA_FP8_TILE``) convert to bf16 without spilling, and an fp8
-    query's fp8 products (``fp8q``) fit too."""
+    """An fp8 cache at 16 rows or fewer (1-16 heads at Q = 1, verify at few heads): with a bf16
+    query, 16-token KV tiles at four stages (``plan.CUDA_FP8_TILE``) convert to bf16 without
+    spilling; an fp8 query (``fp8q``) takes the Gluon fp8 kernel's 64-row programs, which fit
+    too."""
     rows = check_fits("sm_90", "--heads", "1,4,16", "--qlen", "1", "--dtypes", "fp8,fp8q",
                       kernels={"decode", "reduce", "plan"})
     rows += check_fits("sm_90", "--heads", "1,4", "--qlen", "3,4", "--dtypes", "fp8,fp8q",
@@ -146,9 +147,12 @@ def test_sm90_fp8_16_row_tile_fits():
     # bf16 queries, and fp8 ones multiplied as they are (FP8_QK)
     assert {r["dtypes"].split("/")[0] for r in rows if r["kernel"] == "decode"} == {
         "bf16", "fp8e4m3fn"}
+    kernels = [r for r in rows if r["kernel"] in ("decode", "verify")]
     tiles = {(r["config"]["BLOCK_M"], r["config"]["BLOCK_N"], r["config"]["num_stages"])
-             for r in rows if r["kernel"] in ("decode", "verify")}
+             for r in kernels if r["dtypes"].startswith("bf16")}
     assert tiles == {(16, 16, 4)}, tiles
+    assert {r["function"] for r in kernels if r["dtypes"].startswith("fp8")} == {
+        "mla_decode_sm90_fp8_kernel"}, kernels
 
 
 _CVT_SCRIPT = """
@@ -196,15 +200,17 @@ def test_sm90_fp8_tile_is_converted_once_where_it_was_loaded():
 
 @needs_cuda
 def test_sm90_gluon_fp8_kernel_fits():
-    """An fp8 query against an fp8 cache at 64-row tiles takes the Gluon fp8 kernel
-    (``decode_sm90_fp8.py``, the default on Hopper): about 189 KiB of shared memory and no
-    spills, where the Triton 64-row tile spilled 212-928 bytes under triton 3.9. (Under 3.9 it
+    """An fp8 query against an fp8 cache takes the Gluon fp8 kernel (``decode_sm90_fp8.py``, the
+    default on Hopper) at 64-row tiles and, as 64-row programs, at 16 rows or fewer: about
+    189 KiB of shared memory and no spills, where the Triton 64-row tile spilled 212-928 bytes
+    under triton 3.9. (Under 3.9 it
     spills 16 bytes at a few head counts that are not a power of two: 40 and 96 heads at
     ``Q = 2``, 96 at ``Q = 4``; docs/aot.md.)"""
     rows = check_fits("sm_90", "--heads", "16,128", "--qlen", "1,4", "--dtypes", "fp8q",
                       kernels={"decode", "verify"})
     gluon = [r for r in rows if r["function"] == "mla_decode_sm90_fp8_kernel"]
-    assert {(r["num_heads"], r["qlen"]) for r in gluon} == {(16, 4), (128, 1), (128, 4)}, rows
+    assert {(r["num_heads"], r["qlen"]) for r in gluon} == {(16, 1), (16, 4), (128, 1),
+                                                            (128, 4)}, rows
 
 
 @needs_cuda
@@ -270,10 +276,14 @@ def test_rocm_tiles_and_limits():
     assert (fp32.block_m, fp32.block_n, fp32.num_warps, fp32.num_stages, fp32.ctas_per_sm,
             fp32.sm90) == (16, 16, 4, 2, 2, False), fp32  # two resident under triton 3.6
     assert kernel_config(16, 2, 64, cuda, tuning=tun, kv_dtype=jnp.float32).block_m == 16
-    fp8 = kernel_config(16, 1, 64, cuda, tuning=tun, kv_dtype=jnp.float8_e4m3fn)
+    # A bf16 query against an fp8 cache (the Gluon fp8 kernel does not serve it: sm90=False)
+    fp8 = kernel_config(16, 1, 64, cuda, sm90=False, tuning=tun, kv_dtype=jnp.float8_e4m3fn)
     assert (fp8.block_m, fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.ctas_per_sm) == (
         16, 16, 4, 4, 3), fp8
-    f16 = kernel_config(16, 1, 64, cuda, tuning=TritonTuning(fp8_f16=True),
+    # ... and an fp8 one, which it serves: its 64-row programs at 16 rows
+    fp8q = kernel_config(16, 1, 64, cuda, tuning=tun, kv_dtype=jnp.float8_e4m3fn)
+    assert (fp8q.block_m, fp8q.sm90) == (64, True), fp8q
+    f16 = kernel_config(16, 1, 64, cuda, sm90=False, tuning=TritonTuning(fp8_f16=True),
                         kv_dtype=jnp.float8_e4m3fn)
     assert (f16.block_n, f16.num_stages, f16.ctas_per_sm) == (16, 4, 2), f16  # 173 registers
     # (an fp8 cache never takes the Gluon kernel: make_plan passes sm90=False for it)
