@@ -325,6 +325,32 @@ def test_triton_fp8_64_row_tiles_at_every_head_block(rng, monkeypatch, num_heads
     assert np.max(np.abs(np.asarray(lse)[seen] - wl[seen])) < 2e-3
 
 
+def _gluon_fp8_case(rng, monkeypatch, num_heads, qlen, page_size):
+    """Long, ragged requests cut anywhere by the line plan, for the Gluon fp8 kernel (skipped
+    off Hopper: Gluon has no interpreter); ``seen`` records each ``_sm90_kernel(fp8)`` trace."""
+    from jax_mla.backends.triton import decode as tdecode
+    from jax_mla.problem import detect_target
+
+    if not detect_target().hopper:
+        pytest.skip("the Gluon fp8 kernel runs on Hopper GPUs (Gluon has no interpreter)")
+    monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "line")
+    case = make_case(rng, seq_lens=[9011, 0, qlen - 1, 4321, 777, 64, 129, 3000], qlen=qlen,
+                     num_heads=num_heads, page_size=page_size)
+    seen = []
+    real = tdecode._sm90_kernel
+    monkeypatch.setattr(tdecode, "_sm90_kernel", lambda fp8: seen.append(fp8) or real(fp8))
+    return case, seen
+
+
+def _check_gluon_against_tile(outs):
+    """``outs["1"]`` (the Gluon fp8 kernel's out and LSE) against ``outs["0"]`` (the Triton
+    tile's): the same rows seen, within the fp8 products' rounding."""
+    np.testing.assert_allclose(outs["1"][0], outs["0"][0], rtol=2e-2, atol=2e-2)
+    finite = np.isfinite(outs["0"][1])
+    assert np.array_equal(finite, np.isfinite(outs["1"][1]))
+    assert np.max(np.abs(outs["1"][1][finite] - outs["0"][1][finite])) < 1e-2
+
+
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
 @pytest.mark.parametrize("num_heads, qlen, page_size, kv_dtype", [
     (128, 1, 64, "float8_e4m3fn"), (16, 4, 16, "float8_e4m3fn"), (16, 5, 1, "float8_e5m2"),
@@ -337,17 +363,7 @@ def test_sm90_fp8_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, pag
     against the oracle, LSE included, and against the Triton 64-row tile. Gluon kernels have no
     interpreter: this runs on a Hopper GPU (its compile is checked on CPU in
     ``test_gluon_sm90.py``)."""
-    from jax_mla.backends.triton import decode as tdecode
-    from jax_mla.problem import detect_target
-
-    if not detect_target().hopper:
-        pytest.skip("the Gluon fp8 kernel runs on Hopper GPUs (Gluon has no interpreter)")
-    monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "line")
-    case = make_case(rng, seq_lens=[9011, 0, qlen - 1, 4321, 777, 64, 129, 3000], qlen=qlen,
-                     num_heads=num_heads, page_size=page_size)
-    seen = []
-    real = tdecode._sm90_kernel
-    monkeypatch.setattr(tdecode, "_sm90_kernel", lambda fp8: seen.append(fp8) or real(fp8))
+    case, seen = _gluon_fp8_case(rng, monkeypatch, num_heads, qlen, page_size)
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("JAX_MLA_TRITON_SM90_FP8", flag)  # read at planning
@@ -361,10 +377,7 @@ def test_sm90_fp8_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, pag
         assert np.max(np.abs(np.asarray(lse)[finite] - wl[finite])) < 1e-2
         outs[flag] = (np.asarray(out, np.float32), np.asarray(lse))
     assert seen == [True], seen  # the Gluon fp8 kernel, then the Triton tile
-    np.testing.assert_allclose(outs["1"][0], outs["0"][0], rtol=2e-2, atol=2e-2)
-    finite = np.isfinite(outs["0"][1])
-    assert np.array_equal(finite, np.isfinite(outs["1"][1]))
-    assert np.max(np.abs(outs["1"][1][finite] - outs["0"][1][finite])) < 1e-2
+    _check_gluon_against_tile(outs)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
@@ -383,18 +396,8 @@ def test_sm90_split_query_kernel_meets_the_oracle(rng, monkeypatch, num_heads, q
     a cache scale and rows of very different magnitudes (one head's query 2^-12 of the others):
     against the oracle, LSE included, and against the Triton 64-row tile. Hopper only (Gluon
     has no interpreter; the compile is checked on CPU in ``test_gluon_sm90.py``)."""
-    from jax_mla.backends.triton import decode as tdecode
-    from jax_mla.problem import detect_target
-
-    if not detect_target().hopper:
-        pytest.skip("the Gluon fp8 kernel runs on Hopper GPUs (Gluon has no interpreter)")
-    monkeypatch.setenv("JAX_MLA_SPLIT_PLAN", "line")
-    case = make_case(rng, seq_lens=[9011, 0, qlen - 1, 4321, 777, 64, 129, 3000], qlen=qlen,
-                     num_heads=num_heads, page_size=page_size)
+    case, seen = _gluon_fp8_case(rng, monkeypatch, num_heads, qlen, page_size)
     case.q[:, 1] *= 2.0 ** -12  # a row far smaller than its neighbours: its own scale
-    seen = []
-    real = tdecode._sm90_kernel
-    monkeypatch.setattr(tdecode, "_sm90_kernel", lambda fp8: seen.append(fp8) or real(fp8))
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("JAX_MLA_TRITON_SM90_SPLIT_Q", flag)  # read at planning
@@ -405,10 +408,7 @@ def test_sm90_split_query_kernel_meets_the_oracle(rng, monkeypatch, num_heads, q
         assert np.max(np.abs(np.asarray(lse)[finite] - wl[finite])) < 1e-2
         outs[flag] = (np.asarray(out, np.float32), np.asarray(lse))
     assert seen == [True], seen  # the Gluon fp8 kernel, then the Triton tile
-    np.testing.assert_allclose(outs["1"][0], outs["0"][0], rtol=2e-2, atol=2e-2)
-    finite = np.isfinite(outs["0"][1])
-    assert np.array_equal(finite, np.isfinite(outs["1"][1]))
-    assert np.max(np.abs(outs["1"][1][finite] - outs["0"][1][finite])) < 1e-2
+    _check_gluon_against_tile(outs)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")

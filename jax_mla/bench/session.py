@@ -370,14 +370,20 @@ SM90_FP8_AB = ("ab_sm90_fp8.json", ("base", "g8:sm90_fp8=1"),
                 "128,16,8192,4,64,fp8q", "128,128,4096"))
 
 
-def stage_sm90_fp8(_):
-    """The Gluon fp8 kernel's conformance cases (GPU only), then :data:`SM90_FP8_AB`."""
+def _conformance_then_ab(cases: str, title: str, ab, *ab_args, timeout: int = 300):
+    """The conformance cases ``-k cases`` (GPU only), then the A/B ``ab`` (file, variants,
+    shapes), both through the FFI launcher."""
     lib = _ffi_library()
     _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
-             "sm90_fp8"], 240, "Gluon fp8 kernel conformance", JAX_MLA_FFI_LIBRARY=lib)
-    name, variants, shapes = SM90_FP8_AB
-    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--", *shapes],
-            300, name, JAX_MLA_FFI_LIBRARY=lib)
+             cases], 240, title, JAX_MLA_FFI_LIBRARY=lib)
+    name, variants, shapes = ab
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--", *shapes,
+             *ab_args], timeout, name, JAX_MLA_FFI_LIBRARY=lib)
+
+
+def stage_sm90_fp8(_):
+    """The Gluon fp8 kernel's conformance cases (GPU only), then :data:`SM90_FP8_AB`."""
+    _conformance_then_ab("sm90_fp8", "Gluon fp8 kernel conformance", SM90_FP8_AB)
 
 
 # A 16-bit query against an fp8 cache through the Gluon fp8 kernel, the query split in two e4m3
@@ -393,12 +399,8 @@ SPLIT_Q_AB = ("ab_split_q.json",
 
 def stage_split_q(_):
     """The split-query kernel's conformance cases (GPU only), then :data:`SPLIT_Q_AB`."""
-    lib = _ffi_library()
-    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
-             "sm90_split"], 240, "Gluon split-query kernel conformance", JAX_MLA_FFI_LIBRARY=lib)
-    name, variants, shapes = SPLIT_Q_AB
-    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--", *shapes,
-             "--no-peers"], 330, name, JAX_MLA_FFI_LIBRARY=lib)
+    _conformance_then_ab("sm90_split", "Gluon split-query kernel conformance", SPLIT_Q_AB,
+                         "--no-peers", timeout=330)
 
 
 # Which head blocks the CUDA fp8 64-row tile gets wrong: 10, 9 and 21 heads a block were off
