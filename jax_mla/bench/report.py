@@ -339,10 +339,11 @@ def report(folder: str) -> str:
         ab = _load(folder, file)
         if ab:
             parts += [f"## {title}", "", ab_table(ab), ""]
-    modes = {os.path.basename(f)[len("update_mode_"):-len(".json")]: _load(
-        folder, os.path.basename(f)) for f in sorted(glob.glob(os.path.join(folder,
-                                                                           "update_mode_*.json")))}
-    modes = {k: v for k, v in modes.items() if v}
+    modes = {}
+    for path in sorted(glob.glob(os.path.join(folder, "update_mode_*.json"))):
+        name = os.path.basename(path)
+        if rows := _load(folder, name):
+            modes[name[len("update_mode_"):-len(".json")]] = rows
     if modes:
         parts += ["## Stream time under XLA's command-buffer update modes (a process each)", "",
                   update_modes_table(modes), ""]

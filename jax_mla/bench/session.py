@@ -615,8 +615,10 @@ UPDATE_MODE_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "12
 
 
 def known_update_modes() -> list[str]:
-    """The :data:`UPDATE_MODES` whose names are in the installed jaxlib's binaries."""
+    """The :data:`UPDATE_MODES` whose names are in the installed jaxlib's binaries (each
+    binary mapped, not read, and the search stops once every name is found)."""
     import glob as _glob
+    import mmap
 
     import jaxlib
 
@@ -625,9 +627,15 @@ def known_update_modes() -> list[str]:
         import jax_plugins
 
         roots += list(jax_plugins.__path__)
-    blobs = [open(f, "rb").read() for root in roots
-             for f in _glob.glob(os.path.join(root, "**", "*.so*"), recursive=True)]
-    return [m for m in UPDATE_MODES if any(m.encode() in b for b in blobs)]
+    left, found = set(UPDATE_MODES), set()
+    for root in roots:
+        for path in _glob.glob(os.path.join(root, "**", "*.so*"), recursive=True):
+            if not left or os.path.getsize(path) == 0:
+                continue
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                found |= {name for name in left if m.find(name.encode()) >= 0}
+            left -= found
+    return [m for m in UPDATE_MODES if m in found]
 
 
 def stage_update_modes(_):

@@ -351,9 +351,7 @@ def sm90_supported(q_dtype, kv_dtype, kv_lora_rank: int, rope_dim: int, has_kv_s
     sixteen = jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if is_fp8(kv_dtype):
         return split_q and sixteen
-    return (jnp.dtype(q_dtype) == jnp.dtype(kv_dtype)
-            and jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and not has_kv_scale)
+    return sixteen and jnp.dtype(q_dtype) == jnp.dtype(kv_dtype) and not has_kv_scale
 
 
 def sm90_fp8(tuning: TritonTuning, page_size: int) -> bool:
