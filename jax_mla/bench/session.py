@@ -38,7 +38,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   ``conformance_ffi``: the Triton half of the conformance suite through both (the GPU
   defaults);
 - ``split_q``: the Gluon fp8 kernel with a 16-bit query split in two e4m3 parts, its
-  conformance cases and an A/B against the Triton tiles (:data:`SPLIT_Q_AB`).
+  conformance cases and an A/B against the Triton tiles (:data:`SPLIT_Q_AB`); ``split_probe``:
+  the same kernel on made query parts whose answers are known (``jax_mla.bench.split_probe``).
 - ``update_modes``: the FFI path's two timers under each command-buffer update mode the
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
@@ -401,6 +402,12 @@ def stage_split_q(_):
     """The split-query kernel's conformance cases (GPU only), then :data:`SPLIT_Q_AB`."""
     _conformance_then_ab("sm90_split", "Gluon split-query kernel conformance", SPLIT_Q_AB,
                          "--no-peers", timeout=330)
+
+
+def stage_split_probe(_):
+    """The split-query kernel on made query parts (``jax_mla.bench.split_probe``)."""
+    _python(["-m", "jax_mla.bench.split_probe", os.path.join(OUT, "split_probe.json")], 240,
+            "split probe", JAX_MLA_FFI_LIBRARY=_ffi_library())
 
 
 # Which head blocks the CUDA fp8 64-row tile gets wrong: 10, 9 and 21 heads a block were off

@@ -79,7 +79,7 @@ def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
     """Compile a Gluon sm_90 decode kernel as the backend would (no GPU needed): the bf16 one,
     or with ``fp8`` (the cache's Triton type, ``fp8e4nv`` or ``fp8e5``) the fp8 one with both
     scales, for an e4m3 query (``query``, the default) or a 16-bit one (``"bf16"``/``"fp16"``,
-    split in two e4m3 parts in the kernel).
+    split by XLA in two e4m3 parts, which the kernel takes).
 
     Returns ``{"shared": bytes, "num_warps": total warps, "wgmma": {shape: count in the PTX},
     "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
@@ -99,7 +99,8 @@ def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
     if fp8 is not None:
         split = not query.startswith("fp8")
         consts |= dict(HAS_KV_SCALE=True, HAS_Q_SCALE=not split, SPLIT_Q=split)
-        types = dict(q=query, kv=fp8)
+        consts.setdefault("SPLIT_ACC", False)
+        types = dict(q="fp8e4nv" if split else query, kv=fp8)  # split: the two e4m3 parts
     cc, _ = compile_for_target(_sm90_kernel(fp8 is not None),
                                **_decode_signature(consts, **types),
                                target=GPUTarget("cuda", arch, 32), num_warps=cfg.num_warps)

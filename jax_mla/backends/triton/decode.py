@@ -66,6 +66,31 @@ def fp8_convert_once(plan: TritonPlan, kv_dtype) -> bool:
             and not plan.interpret and plan.problem.target.platform == "cuda")
 
 
+def split_query_e4m3(q):
+    """A 16-bit query ``[T, H, D]`` as two e4m3 parts and a power-of-two scale a row, for the
+    Gluon fp8 kernel's ``SPLIT_Q``: ``q = s * (hi + lo)``, ``s`` putting the row's largest
+    magnitude in ``[128, 256)``. For a bf16 row the parts are exact wherever
+    ``|q| >= 2^-9 max |q|`` (``hi`` holds a value's top 4 significant bits, ``lo`` the other 4);
+    smaller elements are off by at most ``2^-17 max |q|``. A float16 value keeps its top 8
+    significant bits (off by at most ``2^-9 max |q|``, bf16's precision). A row holding an
+    infinity or a NaN gets the scale NaN (its scores go NaN, as the products would).
+
+    Returns ``(parts [T, H, 2 D] float8_e4m3fn, hi then lo, scales [T * H] float32)``; one XLA
+    fusion, jittable."""
+    x = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    # The biased exponent e of the row's max: s = 2^(e - 134), 1 / s = 2^(134 - e), both normal
+    # for e >= 8 (smaller rows, zero ones included, take e = 8).
+    e = jnp.maximum((jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF, 8)
+    inv = jax.lax.bitcast_convert_type((261 - e) << 23, jnp.float32)
+    bad = ~jnp.all(jnp.isfinite(x), axis=-1)  # (a max over a NaN need not be NaN)
+    s = jnp.where(bad, jnp.nan, jax.lax.bitcast_convert_type((e - 7) << 23, jnp.float32))
+    y = x * inv[..., None]
+    hi = y.astype(jnp.float8_e4m3fn)
+    lo = (y - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+    return jnp.concatenate([hi, lo], axis=-1), s.reshape(-1)
+
+
 def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale):
     """``q [T, H, D]`` -> ``(out [T, H, L] in q's dtype (bf16 for fp8 q), lse [T, H] float32)``."""
     cfg = plan.kernel
@@ -94,14 +119,19 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
                  kv_lora_rank=lr, rope_dim=rd, scale=scale, num_pages=kv_cache.shape[0])
     if cfg.sm90:
         # The plan takes the Gluon kernel for an fp8 query only with fp8 scores (``sm90_fp8``),
-        # and for a 16-bit query against an fp8 cache only split in two e4m3 parts there
-        # (``sm90_split_q``).
+        # and for a 16-bit query against an fp8 cache only split in two e4m3 parts here
+        # (``sm90_split_q``, :func:`split_query_e4m3`).
         fp8_cache = is_fp8(kv_cache.dtype)
         kernel = _sm90_kernel(fp8_cache)
         consts = sm90_constexprs(cfg, **shape)
         if fp8_cache:
+            split = not is_fp8(q.dtype)
+            if split:  # the parts in place of the query, the rows' scales after kv_scale
+                q, row_scales = split_query_e4m3(q)
+                scales = jnp.concatenate([scales, row_scales])
             consts |= dict(HAS_KV_SCALE=has_scale, HAS_Q_SCALE=fp8_qk and q_scale is not None,
-                           SPLIT_Q=not is_fp8(q.dtype))
+                           SPLIT_Q=split)
+            consts.setdefault("SPLIT_ACC", False)  # (True only in ``bench.split_probe``)
     else:
         kernel = _kernels().mla_decode_kernel
         consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,

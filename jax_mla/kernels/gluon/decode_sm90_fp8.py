@@ -16,6 +16,12 @@ softmax published first; read that module's doc first). What differs is where th
   and rope columns and buffer 1's left half; warpgroup 1 the rest.
 - The scale of the scores is ``softmax scale x kv_scale x q_scale`` (the stored values'
   products), the output's ``kv_scale`` (``V`` as stored).
+- ``SPLIT_Q``: a 16-bit query, split beforehand by XLA into two e4m3 parts and a power-of-two
+  scale a row (``backends.triton.decode.split_query_e4m3``). Both parts are copied in (2 x 36
+  KiB), each is multiplied against the tile (four score MMAs, one accumulator), and each row's
+  scores take their row's scale. (A first version split the query in the kernel; its products
+  went wrong whenever the low part held values that varied, on an H100 with triton 3.6, with
+  the same products right over constants or over a copy of the high part.)
 
 Works, rows (``m = t * HB + h``), causal bounds, empty rows (out 0, LSE -inf) and the split
 partials are the bf16 kernel's, so the same reduce merges them.
@@ -36,7 +42,6 @@ from jax_mla.kernels.gluon.decode_sm90 import (
     BLOCK_M,
     BLOCK_N,
     CHUNK,
-    NUM_THREADS_WG,
     WORKER_REGS,
     _barrier,
     _barrier_views,
@@ -117,10 +122,12 @@ def _load_part(dst, kv_ptr, rows, start, hi, col0: gl.constexpr, NCOLS: gl.const
 
 @gluon.jit
 def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
-            L: gl.constexpr, R: gl.constexpr, LOAD: gl.constexpr, LOADR: gl.constexpr):
+            L: gl.constexpr, R: gl.constexpr, LOAD: gl.constexpr, LOADR: gl.constexpr,
+            STRIDE: gl.constexpr):
     """cp.async the work's query rows ``m = t * HB + h`` (latent columns in ``LOAD``, rope
-    columns in ``LOADR``); rows past the verify block or the heads read as 0."""
-    D: gl.constexpr = L + R
+    columns in ``LOADR``; ``STRIDE`` elements a query row); rows past the verify block or the
+    heads read as 0."""
+    D: gl.constexpr = STRIDE
     offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LOAD))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOADR))
     for r0 in gl.static_range(0, BLOCK_M, CHUNK):
@@ -139,58 +146,16 @@ def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB:
 
 
 @gluon.jit
-def _split_rows(x, inv, ROWS: gl.constexpr):
-    """``x * inv`` (float32, ``inv`` a power of two a row) as ``hi + lo``, both e4m3: ``hi`` is
-    the nearest e4m3, ``lo`` the nearest to what is left (``x * inv - hi`` is exact in float32)."""
-    y = x * gl.convert_layout(inv, ROWS)[:, None]
-    hi = y.to(gl.float8e4nv)
-    lo = (y - hi.to(gl.float32)).to(gl.float8e4nv)
-    return hi, lo
-
-
-@gluon.jit
-def _load_q_split(sQn, sQr, sQn_lo, sQr_lo, sQs, q_ptr, qo_start, hb, H: gl.constexpr,
-                  Q: gl.constexpr, HB: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                  LOAD: gl.constexpr, LOADR: gl.constexpr):
-    """A 16-bit query's rows ``m = t * HB + h`` as two e4m3 parts and a scale a row:
-    ``q = s * (hi + lo)`` with ``s`` the power of two that puts the row's largest magnitude in
-    ``[128, 256)``. For a bf16 row the parts are exact wherever ``|q| >= 2^-9 max |q|`` (``hi``
-    holds a bf16 value's top 4 significant bits, ``lo`` the other 4); smaller elements are off by
-    at most ``2^-17 max |q|``. A row holding an infinity or a NaN gets the scale NaN (the scores
-    go NaN, as the products would). Rows past the verify block or the heads read as 0; scales to
-    ``sQs`` ``[BLOCK_M]``. Plain stores: the caller fences and arrives."""
-    D: gl.constexpr = L + R
-    ROW: gl.constexpr = gl.SliceLayout(1, LOAD)
-    ROWR: gl.constexpr = gl.SliceLayout(1, LOADR)
-    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LOAD))
-    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOADR))
-    for r0 in gl.static_range(0, BLOCK_M, CHUNK):
-        m = r0 + gl.arange(0, CHUNK, layout=ROW)
-        t = m // HB
-        head = hb * HB + m % HB
-        ok = (t < Q) & (head < H)
-        qrow = (qo_start + gl.minimum(t, Q - 1)).to(gl.int64) * H + gl.minimum(head, H - 1)
-        base = q_ptr + qrow * D
-        x = gl.load(base[:, None] + offs_l[None, :], mask=ok[:, None] & (offs_l[None, :] >= 0),
-                    other=0.0).to(gl.float32)
-        base_r = gl.convert_layout(base, ROWR)
-        ok_r = gl.convert_layout(ok, ROWR)
-        xr = gl.load(base_r[:, None] + L + offs_r[None, :],
-                     mask=ok_r[:, None] & (offs_r[None, :] >= 0), other=0.0).to(gl.float32)
-        amax = gl.maximum(gl.max(gl.abs(x), axis=1),
-                          gl.convert_layout(gl.max(gl.abs(xr), axis=1), ROW))
-        # The biased exponent e of the row's max: s = 2^(e - 134), 1 / s = 2^(134 - e), both
-        # normal for e >= 8 (smaller rows, zero ones included, take e = 8).
-        e = gl.maximum((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF, 8)
-        inv = ((261 - e) << 23).to(gl.float32, bitcast=True)
-        scale = gl.where(e == 255, float("nan"), ((e - 7) << 23).to(gl.float32, bitcast=True))
-        hi, lo = _split_rows(x, inv, ROW)
-        sQn.slice(r0, CHUNK, dim=0).store(hi)
-        sQn_lo.slice(r0, CHUNK, dim=0).store(lo)
-        hi_r, lo_r = _split_rows(xr, inv, ROWR)
-        sQr.slice(r0, CHUNK, dim=0).store(hi_r)
-        sQr_lo.slice(r0, CHUNK, dim=0).store(lo_r)
-        sQs.slice(r0, CHUNK).store(scale)
+def _row_scales(ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
+                layout: gl.constexpr):
+    """The scales of the work's query rows ``m = t * HB + h`` (``ptr``: one float a query row,
+    ``[T * H]``), in ``layout`` ``[BLOCK_M]``; rows past the verify block or the heads read 1."""
+    m = gl.arange(0, BLOCK_M, layout=layout)
+    t = m // HB
+    head = hb * HB + m % HB
+    ok = (t < Q) & (head < H)
+    row = (qo_start + gl.minimum(t, Q - 1)) * H + gl.minimum(head, H - 1)
+    return gl.load(ptr + row, mask=ok, other=1.0)
 
 
 @gluon.jit
@@ -200,6 +165,34 @@ def _convert_v(dst, src, CVT: gl.constexpr):
     for i in gl.static_range(BLOCK_N // CHUNK):
         x = src.slice(i * CHUNK, CHUNK, dim=0).load(CVT)
         dst.slice(i * CHUNK, CHUNK, dim=0).store(x.to(gl.float16))
+
+
+@gluon.jit
+def _scores_and_v(sQn, sQr, sQnl, sQrl, sKn, sKr, v_dst, v_src, LOAD: gl.constexpr,
+                  SPLIT_Q: gl.constexpr, SPLIT_ACC: gl.constexpr):
+    """A tile's scores ``Q @ K^T`` (latent and rope columns), waited for, with ``v_dst = v_src``
+    converted under the MMAs (``_convert_v``). With ``SPLIT_Q`` the low part's products too,
+    into the same sum, or with ``SPLIT_ACC`` into their own, added after the wait. (The MMAs'
+    accumulator cannot be passed into a function under triton 3.9: it is made here.)"""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 64, 32])
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+    s = warpgroup_mma(sQn, sKn.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(sQr, sKr.permute((1, 0)), s, is_async=True)
+    if SPLIT_Q and SPLIT_ACC:
+        t = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+        t = warpgroup_mma(sQnl, sKn.permute((1, 0)), t, is_async=True)
+        t = warpgroup_mma(sQrl, sKr.permute((1, 0)), t, is_async=True)
+        _convert_v(v_dst, v_src, LOAD)
+        s, t = warpgroup_mma_wait(0, deps=[s, t])
+        s = s + t
+    else:
+        if SPLIT_Q:
+            s = warpgroup_mma(sQnl, sKn.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(sQrl, sKr.permute((1, 0)), s, is_async=True)
+        _convert_v(v_dst, v_src, LOAD)
+        s = warpgroup_mma_wait(0, deps=[s])
+    return s
 
 
 @gluon.jit
@@ -214,10 +207,11 @@ def _scaled(s, qk, SPLIT_Q: gl.constexpr):
 @gluon.jit
 def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
           qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-          sQn3, sQr3, sQs, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars,
+          sQn3, sQr3, rs_ptr, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars,
           H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
           L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
-          L2_HINTS: gl.constexpr, NUM_PAGES: gl.constexpr, SPLIT_Q: gl.constexpr):
+          L2_HINTS: gl.constexpr, NUM_PAGES: gl.constexpr, SPLIT_Q: gl.constexpr,
+          SPLIT_ACC: gl.constexpr):
     """One warpgroup's part of every work of this program (``ROLE`` 0 or 1, see the module)."""
     D: gl.constexpr = L + R
     LH: gl.constexpr = L // 2
@@ -249,15 +243,12 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             sQn3, sQr3, sKn, sKr, sV, sP, wi, SPLIT_Q)
         if ROLE == 0:
             mbarrier.wait(qfree, (wi - 1) & 1, pred=wi > 0)
-            if SPLIT_Q:
-                _load_q_split(sQn, sQr, sQnl, sQrl, sQs, q_ptr, qo_start, hb, H, Q, HB, L, R,
-                              LOAD, LOADR)
-                fence_async_shared()
-                _barrier()
-                mbarrier.arrive(qbar, count=NUM_THREADS_WG)
+            if SPLIT_Q:  # the parts side by side in a row: hi, then lo
+                _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, 2 * D)
+                _load_q(sQnl, sQrl, q_ptr + D, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, 2 * D)
             else:
-                _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR)
-                async_copy.mbarrier_arrive(qbar, increment_count=False)
+                _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, D)
+            async_copy.mbarrier_arrive(qbar, increment_count=False)
         # Pair 0 of this work: each role copies the regions it is the last reader of.
         if n_pairs > 0:
             rows_a = _tile_rows(bt_row, lo, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
@@ -278,7 +269,7 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                 async_copy.mbarrier_arrive(full1, increment_count=False)
         mbarrier.wait(qbar, wi & 1)
         if SPLIT_Q:
-            qk = qk_scale * sQs.load(ROW_S)  # the rows' scales (read before Q can be freed)
+            qk = qk_scale * _row_scales(rs_ptr, qo_start, hb, H, Q, HB, ROW_S)
         else:
             qk = qk_scale
 
@@ -298,14 +289,9 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             if ROLE == 0:
                 mbarrier.wait(full0, ph)
                 fence_async_shared()
-                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-                s = warpgroup_mma(sQn, sKn0.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(sQr, sKr0.permute((1, 0)), s, is_async=True)
-                if SPLIT_Q:
-                    s = warpgroup_mma(sQnl, sKn0.permute((1, 0)), s, is_async=True)
-                    s = warpgroup_mma(sQrl, sKr0.permute((1, 0)), s, is_async=True)
-                _convert_v(sV0, sKn0.slice(0, LH, dim=1), LOAD)  # V0's left half, under them
-                s = warpgroup_mma_wait(0, deps=[s])
+                # My scores, and V0's left half converted under their MMAs.
+                s = _scores_and_v(sQn, sQr, sQnl, sQrl, sKn0, sKr0, sV0,
+                                  sKn0.slice(0, LH, dim=1), LOAD, SPLIT_Q, SPLIT_ACC)
                 pos = start + offs_n
                 keep = (pos[None, :] < hi) & (pos[None, :] < bound[:, None])
                 s = gl.where(keep, _scaled(s, qk, SPLIT_Q), float("-inf"))
@@ -352,14 +338,9 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                 mbarrier.wait(full1, ph)
                 mbarrier.wait(full0, ph)  # V0's right half, converted under my scores
                 fence_async_shared()
-                s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
-                s = warpgroup_mma(sQn, sKn1.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma(sQr, sKr1.permute((1, 0)), s, is_async=True)
-                if SPLIT_Q:
-                    s = warpgroup_mma(sQnl, sKn1.permute((1, 0)), s, is_async=True)
-                    s = warpgroup_mma(sQrl, sKr1.permute((1, 0)), s, is_async=True)
-                _convert_v(sV1, sKn0.slice(LH, LH, dim=1), LOAD)
-                s = warpgroup_mma_wait(0, deps=[s])
+                # My scores, and V0's right half converted under their MMAs.
+                s = _scores_and_v(sQn, sQr, sQnl, sQrl, sKn1, sKr1, sV1,
+                                  sKn0.slice(LH, LH, dim=1), LOAD, SPLIT_Q, SPLIT_ACC)
                 pos = start + offs_n
                 keep = (pos[None, :] < hi) & (pos[None, :] < bound[:, None])
                 s = gl.where(keep, _scaled(s, qk, SPLIT_Q), float("-inf"))
@@ -422,9 +403,13 @@ def mla_decode_sm90_fp8_kernel(
     PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr, L2_HINTS: gl.constexpr = False,
     NUM_PAGES: gl.constexpr = 2147483647, HAS_KV_SCALE: gl.constexpr = False,
     HAS_Q_SCALE: gl.constexpr = False, SPLIT_Q: gl.constexpr = False,
+    SPLIT_ACC: gl.constexpr = False,
 ):
     """Grid: persistent programs x head blocks, head block fastest (as the bf16 kernel).
-    ``kv_scale_ptr``: ``[kv_scale]``, or ``[kv_scale, q_scale]`` with ``HAS_Q_SCALE``.
+    ``kv_scale_ptr``: ``[kv_scale]``, or ``[kv_scale, q_scale]`` with ``HAS_Q_SCALE``, or with
+    ``SPLIT_Q`` ``[kv_scale, row scales [T * H]...]`` and ``q_ptr`` the query's two e4m3 parts
+    ``[T, H, 2 (L + R)]`` (``backends.triton.decode.split_query_e4m3``); ``SPLIT_ACC`` (a
+    variant for ``bench.split_probe``): the low part's products summed apart, then added.
     Launched with 4 warps (warpgroup 0); warpgroup 1 is the worker partition."""
     pid = gl.program_id(0)
     p = pid // NUM_HB
@@ -458,16 +443,17 @@ def mla_decode_sm90_fp8_kernel(
     sS0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     sM1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     sS1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
-    sQs = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)  # the query rows' scales
     bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
     _init_barriers(bars)
     gl.warp_specialize(
         [(_role, (gl.constexpr(0), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
-                  sQs, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R,
-                  PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES, SPLIT_Q)),
+                  kv_scale_ptr + 1, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES,
+                  Q, HB, L, R, PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES, SPLIT_Q,
+                  SPLIT_ACC)),
          (_role, (gl.constexpr(1), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
-                  sQs, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES, Q, HB, L, R,
-                  PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES, SPLIT_Q))],
+                  kv_scale_ptr + 1, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES,
+                  Q, HB, L, R, PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES, SPLIT_Q,
+                  SPLIT_ACC))],
         [4], [WORKER_REGS])
