@@ -69,26 +69,35 @@ def fp8_convert_once(plan: TritonPlan, kv_dtype) -> bool:
 def split_query_e4m3(q):
     """A 16-bit query ``[T, H, D]`` as two e4m3 parts and a power-of-two scale a row, for the
     Gluon fp8 kernel's ``SPLIT_Q``: ``q = s * (hi + lo)``, ``s`` putting the row's largest
-    magnitude in ``[128, 256)``. For a bf16 row the parts are exact wherever
-    ``|q| >= 2^-9 max |q|`` (``hi`` holds a value's top 4 significant bits, ``lo`` the other 4);
-    smaller elements are off by at most ``2^-17 max |q|``. A float16 value keeps its top 8
-    significant bits (off by at most ``2^-9 max |q|``, bf16's precision). A row holding an
-    infinity or a NaN gets the scale NaN (its scores go NaN, as the products would).
+    magnitude in ``[64, 128)``. ``hi`` is a value rounded to 4 significant bits (values under
+    e4m3's normal range, ``2^-6``, go whole to ``lo``), ``lo`` the rest rounded to e4m3. A bf16
+    row comes back exact wherever ``|q| >= 2^-8 max |q|``; smaller elements are off by at most
+    ``2^-16 max |q|``. A float16 value keeps its top 8 significant bits (off by at most
+    ``2^-8 max |q|``, bf16's precision). A row holding an infinity or a NaN gets the scale NaN
+    (its scores go NaN, as the products would).
+
+    ``hi`` comes from ``lax.reduce_precision``, not from a round trip through float8: XLA's GPU
+    pipeline may fold ``convert(convert(y, f8), f32)`` back to ``y`` (excess precision
+    allowed), which would leave ``lo`` all zeros.
 
     Returns ``(parts [T, H, 2 D] float8_e4m3fn, hi then lo, scales [T * H] float32)``; one XLA
     fusion, jittable."""
     x = q.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    # The biased exponent e of the row's max: s = 2^(e - 134), 1 / s = 2^(134 - e), both normal
+    # The biased exponent e of the row's max: s = 2^(e - 133), 1 / s = 2^(133 - e), both normal
     # for e >= 8 (smaller rows, zero ones included, take e = 8).
     e = jnp.maximum((jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF, 8)
-    inv = jax.lax.bitcast_convert_type((261 - e) << 23, jnp.float32)
+    inv = jax.lax.bitcast_convert_type((260 - e) << 23, jnp.float32)
     bad = ~jnp.all(jnp.isfinite(x), axis=-1)  # (a max over a NaN need not be NaN)
-    s = jnp.where(bad, jnp.nan, jax.lax.bitcast_convert_type((e - 7) << 23, jnp.float32))
+    s = jnp.where(bad, jnp.nan, jax.lax.bitcast_convert_type((e - 6) << 23, jnp.float32))
     y = x * inv[..., None]
-    hi = y.astype(jnp.float8_e4m3fn)
-    lo = (y - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
-    return jnp.concatenate([hi, lo], axis=-1), s.reshape(-1)
+    # e4m3's normal numbers (4 exponent bits, 3 mantissa bits; |y| < 128, so nothing reaches
+    # the format's top, where an IEEE-style 4-bit exponent would overflow); subnormals flush.
+    hi = jax.lax.reduce_precision(y, exponent_bits=4, mantissa_bits=3)
+    lo = y - hi
+    parts = jnp.concatenate([hi.astype(jnp.float8_e4m3fn), lo.astype(jnp.float8_e4m3fn)],
+                            axis=-1)
+    return parts, s.reshape(-1)
 
 
 def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale):

@@ -185,12 +185,13 @@ class TritonTuning:
     an H100, 2026-12-05: 1.32-1.45x faster than the Triton tile at four shapes).
     ``sm90_split_q``: a 16-bit query against an fp8 cache through the same Gluon kernel, the
     query split by XLA into two e4m3 parts and a power-of-two scale a row
-    (``decode.split_query_e4m3``: exact for a bf16 query but for elements under ``2^-9`` of
+    (``decode.split_query_e4m3``: exact for a bf16 query but for elements under ``2^-8`` of
     their row's largest), so the scores are fp8 products too; off: the Triton 64-row tile
     (bf16 products of the converted tile). **Experimental, off:** on an H100 (2026-12-06) its
-    outputs were wrong although it ran 1.5x faster than the Triton tile at 128 heads (split in
-    the kernel: relative error 2.5, NaN rows; split by XLA: 3.6e-2, about the high part's
-    error alone); a plan that takes it warns (:func:`sm90_split_q`).
+    outputs were wrong although it ran 1.6x faster than the Triton tile at 128 heads (split in
+    the kernel: relative error 2.5, NaN rows; split by XLA through a float8 round trip, which
+    XLA folds away: 3.6e-2, the high part's error alone); the split since (``reduce_precision``)
+    has not run on a GPU. A plan that takes it warns (:func:`sm90_split_q`).
     """
 
     block_n: int | None = None
