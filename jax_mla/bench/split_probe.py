@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-CASES = ((64, 1, 64, (300, 5)), (16, 4, 16, (4321, 777)))  # heads, qlen, page size, lengths
-KV_SCALE = 0.05
+# Two ragged requests each, an e4m3 cache: 64 heads at Q = 1 (page 64), verify at 16 heads
+# (Q = 4, page 16), lengths up to twice the mean.
+CASES = ("2,64,300,1,64,fp8", "2,16,2048,4,16,fp8")
 
 
 def _variants(split):
@@ -61,25 +62,14 @@ def _variants(split):
 EXTRA_CONSTEXPRS = {"real_acc2": {"SPLIT_ACC": True}}  # the kernel's variant, by name
 
 
-def _problem(rng, heads, qlen, page, lens):
-    lens = np.asarray(lens, np.int32)
-    pages = -(-lens // page)
-    table = np.zeros((len(lens), int(pages.max())), np.int32)
-    perm = rng.permutation(int(pages.sum())).astype(np.int32)
-    start = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = perm[start:start + n]
-        start += n
-    cache = rng.standard_normal((int(pages.sum()), page, 576)).astype(np.float32)
-    q = rng.standard_normal((len(lens) * qlen, heads, 576)).astype(np.float32)
-    return q, cache, table, lens
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    import dataclasses
+
     import jax_mla
     from jax_mla.backends.triton import TritonTuning
     from jax_mla.backends.triton import decode as tdecode
+    from jax_mla.bench.decode import DEEPSEEK_SCALE, Shape, make_inputs
     from jax_mla.testing import numpy_mla_decode, rel_err
 
     real = tdecode.split_query_e4m3
@@ -87,22 +77,21 @@ def main(argv=None) -> int:
     rows = []
     rng = np.random.default_rng(0)
     try:
-        for heads, qlen, page, lens in CASES:
-            q, cache, table, lens = _problem(rng, heads, qlen, page, lens)
-            qb = jnp.asarray(q, jnp.bfloat16)
-            kv = jnp.asarray(cache / KV_SCALE).astype(jnp.float8_e4m3fn)
-            scale = 192 ** -0.5
-            want, want_lse = numpy_mla_decode(
-                np.asarray(qb, np.float32), np.asarray(kv, np.float32) * KV_SCALE, table, lens,
-                qlen=qlen, scale=scale, kv_lora_rank=512)
+        for spec in CASES:
+            shape = dataclasses.replace(Shape.parse(spec), varlen=True)
+            qb, kv, table, lens, kv_scale = make_inputs(shape, rng)
+            qf = np.asarray(qb, np.float32)
+            want, _ = numpy_mla_decode(qf, np.asarray(kv, np.float32) * float(kv_scale), table,
+                                       lens, qlen=shape.qlen, scale=DEEPSEEK_SCALE,
+                                       kv_lora_rank=512)
             parts, s = jax.jit(real)(qb)
             p = np.asarray(parts).astype(np.float32)
-            back = np.asarray(s).reshape(q.shape[:2])[..., None] * (p[..., :576] + p[..., 576:])
-            qf = np.asarray(qb, np.float32)
-            row = dict(case=f"H{heads} Q{qlen} p{page} {list(map(int, lens))}",
+            back = np.asarray(s).reshape(qf.shape[:2])[..., None] * (p[..., :576] + p[..., 576:])
+            row = dict(case=f"{shape.name} {np.asarray(lens).tolist()}",
                        split_rel_err=float(np.abs(back - qf).max() / np.abs(qf).max()),
                        lo_nonzero=float(np.mean(p[..., 576:] != 0)))
-            md = jax_mla.build_decode_metadata(table, lens, page_size=page, qlen=qlen,
+            md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
+                                               qlen=shape.qlen,
                                                tuning=TritonTuning(sm90_split_q=True))
             outs = {}
             for name, fn in _variants(real).items():
@@ -110,9 +99,8 @@ def main(argv=None) -> int:
                 extra = EXTRA_CONSTEXPRS.get(name, {})
                 tdecode.sm90_constexprs = (lambda *a, _x=extra, **k: constexprs(*a, **k) | _x)
                 jax.clear_caches()
-                out, lse = jax_mla.mla_attention(qb, kv, md, scale=scale, backend="triton",
-                                                 return_lse=True, kv_lora_rank=512,
-                                                 kv_scale=KV_SCALE)
+                out = jax_mla.mla_attention(qb, kv, md, scale=DEEPSEEK_SCALE, backend="triton",
+                                            kv_lora_rank=512, kv_scale=kv_scale)
                 o = np.asarray(out, np.float32)
                 outs[name] = o
                 row[name] = dict(rel_err=rel_err(np.nan_to_num(o, nan=1e9), want),

@@ -139,6 +139,18 @@ def _load_part(dst, kv_ptr, rows, start, hi, col0: gl.constexpr, NCOLS: gl.const
 
 
 @gluon.jit
+def _query_rows(m, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr):
+    """Rows ``m = t * HB + h`` of a work starting at query token ``qo_start``, head block
+    ``hb``: ``(ok, qrow)``, whether each is a real row (inside the verify block and the heads)
+    and its query row ``token * H + head`` (int64; clamped into range where not ``ok``)."""
+    t = m // HB
+    head = hb * HB + m % HB
+    ok = (t < Q) & (head < H)
+    qrow = (qo_start + gl.minimum(t, Q - 1)).to(gl.int64) * H + gl.minimum(head, H - 1)
+    return ok, qrow
+
+
+@gluon.jit
 def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
             L: gl.constexpr, R: gl.constexpr, LOAD: gl.constexpr):
     """cp.async the work's query rows ``m = t * HB + h`` into ``sQn``/``sQr``; rows past the
@@ -148,10 +160,7 @@ def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB:
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))
     for r0 in gl.static_range(0, BLOCK_M, CHUNK):
         m = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LOAD))
-        t = m // HB
-        head = hb * HB + m % HB
-        ok = (t < Q) & (head < H)
-        qrow = (qo_start + gl.minimum(t, Q - 1)).to(gl.int64) * H + gl.minimum(head, H - 1)
+        ok, qrow = _query_rows(m, qo_start, hb, H, Q, HB)
         base = q_ptr + qrow * D
         _cp_async(sQn.slice(r0, CHUNK, dim=0), base[:, None] + offs_l[None, :],
                   mask=ok[:, None] & (offs_l[None, :] >= 0))

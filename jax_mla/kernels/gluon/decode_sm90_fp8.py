@@ -50,6 +50,7 @@ from jax_mla.kernels.gluon.decode_sm90 import (
     _exchange,
     _init_barriers,
     _opaque,
+    _query_rows,
     _work,
     _write_back,
 )
@@ -127,16 +128,12 @@ def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB:
     """cp.async the work's query rows ``m = t * HB + h`` (latent columns in ``LOAD``, rope
     columns in ``LOADR``; ``STRIDE`` elements a query row); rows past the verify block or the
     heads read as 0."""
-    D: gl.constexpr = STRIDE
     offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LOAD))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOADR))
     for r0 in gl.static_range(0, BLOCK_M, CHUNK):
         m = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LOAD))
-        t = m // HB
-        head = hb * HB + m % HB
-        ok = (t < Q) & (head < H)
-        qrow = (qo_start + gl.minimum(t, Q - 1)).to(gl.int64) * H + gl.minimum(head, H - 1)
-        base = q_ptr + qrow * D
+        ok, qrow = _query_rows(m, qo_start, hb, H, Q, HB)
+        base = q_ptr + qrow * STRIDE
         _cp_async(sQn.slice(r0, CHUNK, dim=0), base[:, None] + offs_l[None, :],
                   mask=ok[:, None] & (offs_l[None, :] >= 0))
         base_r = gl.convert_layout(base, gl.SliceLayout(1, LOADR))
@@ -150,12 +147,8 @@ def _row_scales(ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB: gl.cons
                 layout: gl.constexpr):
     """The scales of the work's query rows ``m = t * HB + h`` (``ptr``: one float a query row,
     ``[T * H]``), in ``layout`` ``[BLOCK_M]``; rows past the verify block or the heads read 1."""
-    m = gl.arange(0, BLOCK_M, layout=layout)
-    t = m // HB
-    head = hb * HB + m % HB
-    ok = (t < Q) & (head < H)
-    row = (qo_start + gl.minimum(t, Q - 1)) * H + gl.minimum(head, H - 1)
-    return gl.load(ptr + row, mask=ok, other=1.0)
+    ok, qrow = _query_rows(gl.arange(0, BLOCK_M, layout=layout), qo_start, hb, H, Q, HB)
+    return gl.load(ptr + qrow, mask=ok, other=1.0)
 
 
 @gluon.jit
