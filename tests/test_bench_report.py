@@ -90,3 +90,26 @@ def test_chain_length_section(tmp_path):
     assert text.count("### The host's time a chained call") == 1
     for name, us in traced["host_events_us"].items():
         assert f"| 1,16,1024 | yes | 64 | `{name}` | {us:.2f} |" in text
+
+
+def test_split_probe_section(tmp_path):
+    """``split_probe.json``: a row per case, the split's error and low-part share, and each
+    variant's error against its own answer, NaN rows named where there were any."""
+    rng = np.random.default_rng()
+    rows = []
+    for case in ("B2 H64 S300 Q1 p64 fp8", "B2 H16 S2048 Q4 p16 fp8"):
+        r = {"case": case, "split_rel_err": float(rng.uniform(0, 1e-6)),
+             "lo_nonzero": float(rng.uniform(0.5, 1))}
+        for name in ("real", "hi_zero"):
+            r[name] = {"rel_err": float(rng.uniform(1e-3, 3e-3)), "nan_rows": 0}
+        r["hi_zero_vs_zero_hi"] = 0.0
+        rows.append(r)
+    rows[1]["real"]["nan_rows"] = 3
+    (tmp_path / "split_probe.json").write_text(json.dumps(rows))
+    text = report.report(str(tmp_path))
+    assert text.count("## The split-query kernel on made query parts") == 1
+    assert "| case | split rel err | low part nonzero | real | hi_zero |" in text
+    for r in rows:
+        real = f"{r['real']['rel_err']:.1e}" + (" (3 NaN rows)" if r["real"]["nan_rows"] else "")
+        assert (f"| {r['case']} | {r['split_rel_err']:.1e} | {r['lo_nonzero']:.3f} | {real} | "
+                f"{r['hi_zero']['rel_err']:.1e} |") in text, r

@@ -137,6 +137,31 @@ def test_ab_times_each_variant_under_its_own_plan(tmp_path, monkeypatch):
     assert "JAX_MLA_TRITON_AFFINE_REDUCE" not in os.environ
 
 
+def test_ab_keeps_the_shapes_it_measured_when_a_later_one_fails(tmp_path, monkeypatch):
+    """``bench.ab`` writes its file after each shape: a run cut short (a device call's time
+    limit, a failing shape) keeps the rows it measured."""
+    import json
+
+    from jax_mla.bench import ab
+
+    if "triton" not in __import__("jax_mla").available_backends():
+        pytest.skip("needs the Triton backend")
+    real = ab.attention_call
+
+    def second_fails(shape, *a, **k):
+        if shape.batch == 3:
+            raise RuntimeError("the second shape fails")
+        return real(shape, *a, **k)
+
+    monkeypatch.setattr(ab, "attention_call", second_fails)
+    out = tmp_path / "ab.json"
+    with pytest.raises(RuntimeError, match="second shape"):
+        ab.main([str(out), "--rounds", "1", "--no-peers", "base", "--", "1,2,200", "3,2,200"])
+    rows = json.loads(out.read_text())
+    assert [(r["shape"], r["variant"]) for r in rows] == [(rows[0]["shape"], "base")], rows
+    assert rows[0]["shape"].startswith("B1 ") and rows[0]["best_us"] > 0, rows
+
+
 def _fake_flashmla():
     """FlashMLA's Python API over the float64 oracle, in FlashMLA's layouts: q ``[B, Q, H, D]``,
     cache ``[pages, 64, 1, D]``, out ``[B, Q, H, L]``, lse ``[B, H, Q]``."""

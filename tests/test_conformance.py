@@ -160,6 +160,7 @@ def test_triton_fp8_cache_float16_products_keep_every_query_row(rng, monkeypatch
     q[2, 2] = 0.0  # a zero row: uniform attention
     q[3, 3, :5] = 6e4  # a few large components beside ordinary ones
     case = dataclasses.replace(case, q=q)
+    monkeypatch.setenv("JAX_MLA_TRITON_SM90_SPLIT_Q", "0")  # the Triton tile, also on Hopper
     seen = []
     real = tdecode.decode_constexprs
     monkeypatch.setattr(tdecode, "decode_constexprs",
@@ -309,6 +310,7 @@ def test_triton_fp8_64_row_tiles_at_every_head_block(rng, monkeypatch, num_heads
     from jax_mla.problem import detect_target
 
     monkeypatch.setenv("JAX_MLA_TRITON_POW2_HEAD_BLOCKS", pow2)  # read at planning
+    monkeypatch.setenv("JAX_MLA_TRITON_SM90_SPLIT_Q", "0")  # the Triton tile, also on Hopper
     target = detect_target()
     cfg = kernel_config(num_heads, qlen, 16, target, kv_dtype=jnp.float8_e4m3fn)
     assert cfg.block_m == 64 and cfg.num_head_blocks > 1
@@ -381,13 +383,6 @@ def test_sm90_fp8_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, pag
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
-@pytest.mark.xfail(strict=True, reason="the split-query kernel's outputs were wrong on an H100 "
-                   "(2026-12-06: the query split in the kernel, relative error 2.5 and NaN rows; "
-                   "split by XLA through a float8 round trip XLA can fold away, 3.6e-2, the "
-                   "high part's alone); the reduce_precision split since has not run on a GPU; "
-                   "experimental and off until it passes (plan.TritonTuning.sm90_split_q; "
-                   "bench.split_probe)")
-@pytest.mark.filterwarnings("ignore:jax_mla. TritonTuning.sm90_split_q")
 @pytest.mark.parametrize("num_heads, qlen, page_size, q_dtype, kv_dtype", [
     (128, 1, 64, "bfloat16", "float8_e4m3fn"), (16, 4, 16, "bfloat16", "float8_e4m3fn"),
     (16, 5, 1, "bfloat16", "float8_e5m2"), (32, 2, 128, "float16", "float8_e4m3fn")])
@@ -395,10 +390,11 @@ def test_sm90_split_query_kernel_meets_the_oracle(rng, monkeypatch, num_heads, q
                                                   q_dtype, kv_dtype):
     """A 16-bit query against an fp8 cache through the Gluon fp8 kernel, the query split by
     XLA into two e4m3 parts and a power-of-two scale a row
-    (``JAX_MLA_TRITON_SM90_SPLIT_Q``), on the long ragged requests of the fp8 case above, with
-    a cache scale and rows of very different magnitudes (one head's query 2^-12 of the others):
-    against the oracle, LSE included, and against the Triton 64-row tile. Hopper only (Gluon
-    has no interpreter; the compile is checked on CPU in ``test_gluon_sm90.py``)."""
+    (``JAX_MLA_TRITON_SM90_SPLIT_Q``, forced on), on the long ragged requests of the fp8 case
+    above, with a cache scale and rows of very different magnitudes (one head's query 2^-12 of
+    the others): against the oracle, LSE included, and against the Triton tiles (forced off).
+    Hopper only (Gluon has no interpreter; the compile is checked on CPU in
+    ``test_gluon_sm90.py``). First passed on an H100 on 2026-12-06 (triton 3.6)."""
     case, seen = _gluon_fp8_case(rng, monkeypatch, num_heads, qlen, page_size)
     case.q[:, 1] *= 2.0 ** -12  # a row far smaller than its neighbours: its own scale
     outs = {}

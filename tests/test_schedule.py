@@ -249,6 +249,40 @@ def test_sm90_fp8_kernel_plan(monkeypatch, knob, page_size, want):
     assert not plan(128, 1)[0].kernel.sm90
 
 
+@pytest.mark.parametrize("knob, release, page_size, want", [
+    (None, (3, 6), 64, True), (None, (3, 6), 16, True), (None, (3, 6), 1, True),
+    (None, (3, 6), 32, False), (None, (3, 9), 64, False), (None, None, 64, False),
+    ("1", (3, 9), 64, True), ("0", (3, 6), 64, False)])
+def test_sm90_split_query_plan(monkeypatch, knob, release, page_size, want):
+    """A 16-bit query against an fp8 cache on Hopper (``JAX_MLA_TRITON_SM90_SPLIT_Q``): unset,
+    the Gluon fp8 kernel with the query split in two e4m3 parts where the installed Triton is
+    one it compiles under without spills (``plan.SPLIT_Q_TRITON``), at the page sizes that
+    kernel takes, with the cache scale; else the Triton tiles (64 rows at 128 heads, 16 at 16
+    heads). ``1`` / ``0`` force it either way. ROCm never takes it."""
+    from jax_mla.backends.triton import plan as plan_mod
+    from jax_mla.problem import DecodeProblem, Target
+
+    if knob is None:
+        monkeypatch.delenv("JAX_MLA_TRITON_SM90_SPLIT_Q", raising=False)
+    else:
+        monkeypatch.setenv("JAX_MLA_TRITON_SM90_SPLIT_Q", knob)
+    monkeypatch.setattr(plan_mod, "triton_release", lambda: release)
+
+    def plan(heads, qlen, platform="cuda", arch="sm_90"):
+        problem = DecodeProblem(num_seqs=4, qlen=qlen, num_heads=heads, page_size=page_size,
+                                max_pages=8, kv_lora_rank=512, rope_dim=64,
+                                q_dtype="bfloat16", kv_dtype="float8_e4m3fn",
+                                target=Target(platform, arch, 132), has_kv_scale=True)
+        return plan_mod.make_plan("triton", problem), problem
+
+    p, problem = plan(128, 1)
+    assert p.kernel.sm90 is want and p.kernel.block_m == 64, p.kernel
+    assert p.mismatches(problem) == []
+    small = plan(16, 1)[0].kernel
+    assert small.sm90 is want and small.block_m == (64 if want else 16), small
+    assert not plan(128, 1, "rocm", "gfx942")[0].kernel.sm90
+
+
 def test_rocm_splits_32_rows_into_two_16_row_blocks():
     from jax_mla.backends.triton.plan import kernel_config
 

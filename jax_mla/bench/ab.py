@@ -48,14 +48,17 @@ def parse_variant(text: str) -> tuple[str, TritonTuning]:
 
 
 def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
-        peers: bool = True) -> list[dict]:
+        peers: bool = True, on_rows=None) -> list[dict]:
     """Rows of ``{shape, variant, us (rounds), best_us, vs_first, rel_err_vs_first,
     metadata_us, ...}``; with ``gpu_time`` (CUPTI) also ``gpu_us``, ``launches``,
     ``kernels_us``, the metadata's ``metadata_gpu_us`` / ``metadata_launches`` /
     ``metadata_memcpys`` and the compiled call's command buffers. With ``peers``, a
     ``flashmla`` row on the first variant's buffers where FlashMLA is built
     (``peers.py``). Every stream time is taken before any CUPTI trace: once CUPTI has traced
-    a process, every launch in it costs more."""
+    a process, every launch in it costs more. ``on_rows(rows)`` is called with the rows so far
+    after each shape and each shape's GPU times (``main`` writes them: a run cut short keeps
+    what it measured)."""
+    on_rows = on_rows or (lambda rows: None)
     gpu_time = profile.available() if gpu_time is None else gpu_time
     names = [name for name, _ in variants]
     cases, rows = [], []
@@ -94,6 +97,7 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
             print(f"{shape.name:<28} {name:<12} best {row['best_us']:8.1f} us "
                   f"x{row['vs_first']:.3f} err {row['rel_err_vs_first']:.1e}", flush=True)
         cases.append((shape, calls, builds, fm))
+        on_rows(rows)
     if gpu_time:
         for shape, calls, builds, fm in cases:
             for row in rows:
@@ -119,6 +123,7 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
                       f"{row['launches']:.0f} launches; metadata GPU "
                       f"{row['metadata_gpu_us']:.1f} us in {row['metadata_launches']:.0f}",
                       flush=True)
+            on_rows(rows)
     return rows
 
 
@@ -154,9 +159,11 @@ def main(argv=None) -> int:
     split = rest.index("--")
     variants = [parse_variant(v) for v in rest[:split]]
     shapes = [Shape.parse(s) for s in rest[split + 1:]]
-    rows = run(shapes, variants, rounds, peers=with_peers)
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
+    def write(rows):
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+    write(run(shapes, variants, rounds, peers=with_peers, on_rows=write))
     return 0
 
 

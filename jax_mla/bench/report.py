@@ -7,7 +7,7 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 session on an earlier tree, for a before/after table), ``kernels.json`` and ``kernels_before.json``
 (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``, ``aiter_bridge.json``, ``ab.json``,
 ``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_fp8_head_blocks.json``, ``ab_sm90_fp8.json``,
-``ab_pdl.json``, ``ab_split_q.json``, ``ab_split_q_xla.json``, ``update_mode_*.json`` (the
+``ab_pdl.json``, ``ab_split_q.json``, ``split_probe.json``, ``update_mode_*.json`` (the
 FFI path under each XLA command-buffer update mode, a process each), ``stream_execute.json``,
 ``stream_initialize.json``, ``cmdbuf.json``, ``cmdbuf_chains*.json``, ``launcher_ab.json``,
 ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json`` (the GPU test
@@ -174,13 +174,26 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
             ("ab_sm90_fp8.json", "The Gluon fp8 kernel against the Triton tile (same run)"),
             ("ab_pdl.json", "Programmatic dependent launch (same run)"),
             ("ab_split_q.json", "A 16-bit query against an fp8 cache: the Gluon fp8 kernel "
-             "with the query split in two e4m3 parts in the kernel against the Triton tiles "
-             "(same run)"),
-            ("ab_split_q_xla.json", "The same with the query split by XLA (same run; outputs "
-             "still wrong)"),
+             "with the query split by XLA in two e4m3 parts (`sq`; `sq64`: 64-row tiles at "
+             "every head count) against the Triton tiles (same run)"),
             ("stream_execute.json", "Stream time, XLA's execute stage only (one process)"),
             ("stream_initialize.json",
              "Stream time, XLA's initialize stage registered too (another process)"))
+
+
+def split_probe_table(rows) -> str:
+    """``split_probe.json`` (``python -m jax_mla.bench.split_probe``): per case, the split's own
+    error on the device, the share of nonzero low parts, and each made-parts variant's error
+    against its own float64 answer (NaN rows in brackets)."""
+    names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    out = ["| case | split rel err | low part nonzero | " + " | ".join(names) + " |",
+           "|---|---|---|" + "---|" * len(names)]
+    for r in rows:
+        cells = [f"{r[n]['rel_err']:.1e}" + (f" ({r[n]['nan_rows']} NaN rows)"
+                                             if r[n].get("nan_rows") else "") for n in names]
+        out.append(f"| {r['case']} | {r['split_rel_err']:.1e} | {r['lo_nonzero']:.3f} | "
+                   + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def cmdbuf_table(rows) -> str:
@@ -342,6 +355,10 @@ def report(folder: str) -> str:
         ab = _load(folder, file)
         if ab:
             parts += [f"## {title}", "", ab_table(ab), ""]
+    probe = _load(folder, "split_probe.json")
+    if probe:
+        parts += ["## The split-query kernel on made query parts (`bench.split_probe`)", "",
+                  split_probe_table(probe), ""]
     modes = {}
     for path in sorted(glob.glob(os.path.join(folder, "update_mode_*.json"))):
         name = os.path.basename(path)

