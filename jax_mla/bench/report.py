@@ -7,12 +7,12 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 session on an earlier tree, for a before/after table), ``kernels.json`` and ``kernels_before.json``
 (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``, ``aiter_bridge.json``, ``ab.json``,
 ``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_fp8_head_blocks.json``, ``ab_sm90_fp8.json``,
-``ab_pdl.json``, ``ab_split_q.json``, ``split_probe.json``, ``update_mode_*.json`` (the
-FFI path under each XLA command-buffer update mode, a process each), ``stream_execute.json``,
-``stream_initialize.json``, ``cmdbuf.json``, ``cmdbuf_chains*.json``, ``launcher_ab.json``,
-``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json`` (the GPU test
-summary), and ``tried.md`` (what was measured and kept or dropped, in words), and writes
-``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
+``ab_pdl.json``, ``ab_split_q.json``, ``ab_split_q_more.json``, ``split_probe.json``,
+``update_mode_*.json`` (the FFI path under each XLA command-buffer update mode, a process each),
+``stream_execute.json``, ``stream_initialize.json``, ``cmdbuf.json``, ``cmdbuf_chains*.json``,
+``launcher_ab.json``, ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json``
+(the GPU test summary), and ``tried.md`` (what was measured and kept or dropped, in words), and
+writes ``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
 (docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16 matmul); the bench's own
 in-run probes are shown beside them, since they move with the GPU's clocks from run to run.
 """
@@ -174,8 +174,10 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
             ("ab_sm90_fp8.json", "The Gluon fp8 kernel against the Triton tile (same run)"),
             ("ab_pdl.json", "Programmatic dependent launch (same run)"),
             ("ab_split_q.json", "A 16-bit query against an fp8 cache: the Gluon fp8 kernel "
-             "with the query split by XLA in two e4m3 parts (`sq`; `sq64`: 64-row tiles at "
-             "every head count) against the Triton tiles (same run)"),
+             "with the query split by XLA in two e4m3 parts (`sq`) against the Triton tiles "
+             "(`tile`), bf16 beside (same run)"),
+            ("ab_split_q_more.json", "The same at more shapes, stream time only (`sq64`: "
+             "64-row tiles at every head count; another run)"),
             ("stream_execute.json", "Stream time, XLA's execute stage only (one process)"),
             ("stream_initialize.json",
              "Stream time, XLA's initialize stage registered too (another process)"))
