@@ -366,7 +366,7 @@ def sm90_fp8(tuning: TritonTuning, page_size: int) -> bool:
 # Triton releases (major, minor) under whose compiler the split-query kernel
 # (``TritonTuning.sm90_split_q``) compiles for sm_90 without spills, so the default takes it:
 # 3.6, the GPU image's, which ran it (H100, 2026-12-06). Triton 3.9's ptxas spills it 124-224
-# bytes a thread (``tests/test_aot.py`` checks this table against the compiler it runs).
+# bytes a thread (``tests/test_gluon_sm90.py`` checks this table against the compiler it runs).
 SPLIT_Q_TRITON = ((3, 6),)
 
 
