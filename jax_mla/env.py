@@ -38,7 +38,7 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
 - ``JAX_MLA_TRITON_SM90_SPLIT_Q=0`` / ``=1``: a 16-bit query against an fp8 cache takes the
   Triton tiles on Hopper (0), or the Gluon fp8 kernel with the query split by XLA in two e4m3
   parts (1). Unset: the Gluon kernel where the installed Triton compiles it without spills
-  (``plan.SPLIT_Q_TRITON``), the Triton tiles elsewhere.
+  (``plan.SPLIT_Q_TRITON``), elsewhere only in place of the Triton 64-row tile.
 - ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
 - ``JAX_MLA_FFI_COMMAND_BUFFERS=0``: our FFI targets are registered without the command-buffer
   trait, so XLA launches them outside its command buffers (a measurement knob; read when the

@@ -249,16 +249,17 @@ def test_sm90_fp8_kernel_plan(monkeypatch, knob, page_size, want):
     assert not plan(128, 1)[0].kernel.sm90
 
 
-@pytest.mark.parametrize("knob, release, page_size, want", [
-    (None, (3, 6), 64, True), (None, (3, 6), 16, True), (None, (3, 6), 1, True),
-    (None, (3, 6), 32, False), (None, (3, 9), 64, False), (None, None, 64, False),
-    ("1", (3, 9), 64, True), ("0", (3, 6), 64, False)])
-def test_sm90_split_query_plan(monkeypatch, knob, release, page_size, want):
+@pytest.mark.parametrize("knob, release, page_size, want128, want16", [
+    (None, (3, 6), 64, True, True), (None, (3, 6), 16, True, True), (None, (3, 6), 1, True, True),
+    (None, (3, 6), 32, False, False), (None, (3, 9), 64, True, False),
+    (None, None, 64, True, False), ("1", (3, 9), 64, True, True), ("0", (3, 6), 64, False, False)])
+def test_sm90_split_query_plan(monkeypatch, knob, release, page_size, want128, want16):
     """A 16-bit query against an fp8 cache on Hopper (``JAX_MLA_TRITON_SM90_SPLIT_Q``): unset,
-    the Gluon fp8 kernel with the query split in two e4m3 parts where the installed Triton is
-    one it compiles under without spills (``plan.SPLIT_Q_TRITON``), at the page sizes that
-    kernel takes, with the cache scale; else the Triton tiles (64 rows at 128 heads, 16 at 16
-    heads). ``1`` / ``0`` force it either way. ROCm never takes it."""
+    the Gluon fp8 kernel with the query split in two e4m3 parts at the page sizes that kernel
+    takes, with the cache scale: at every row count where the installed Triton compiles it
+    without spills (``plan.SPLIT_Q_TRITON``), elsewhere only in place of the Triton 64-row tile
+    (128 heads), not of the 16-row one (16 heads). ``1`` / ``0`` force it either way. ROCm
+    never takes it."""
     from jax_mla.backends.triton import plan as plan_mod
     from jax_mla.problem import DecodeProblem, Target
 
@@ -276,10 +277,10 @@ def test_sm90_split_query_plan(monkeypatch, knob, release, page_size, want):
         return plan_mod.make_plan("triton", problem), problem
 
     p, problem = plan(128, 1)
-    assert p.kernel.sm90 is want and p.kernel.block_m == 64, p.kernel
+    assert p.kernel.sm90 is want128 and p.kernel.block_m == 64, p.kernel
     assert p.mismatches(problem) == []
     small = plan(16, 1)[0].kernel
-    assert small.sm90 is want and small.block_m == (64 if want else 16), small
+    assert small.sm90 is want16 and small.block_m == (64 if want16 else 16), small
     assert not plan(128, 1, "rocm", "gfx942")[0].kernel.sm90
 
 

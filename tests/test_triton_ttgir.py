@@ -159,3 +159,10 @@ def test_loop_spills_counts_spills_inside_innermost_loops_only():
     body += [ins(0x2a0, "LDL R7, [R1+0x8]"), ins(0x2b0, "@!P1 BRA 0x290")]  # a spin loop
     body += [ins(0x2c0, "@P2 BRA 0x10")]  # outer loop: 0x10 .. 0x2c0
     assert loop_spills_of_sass("\n".join(body)) == 1
+    # Out-of-line code after the last EXIT: a barrier's retry loop that branches back into the
+    # body is no loop around it (read as one, the spin loop's LDL would count).
+    body += [ins(0x2d0, "EXIT"), ins(0x2e0, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R5], R6"),
+             ins(0x2f0, "@!P0 BRA 0x2e0"), ins(0x300, "BRA 0x60")]
+    assert loop_spills_of_sass("\n".join(body)) == 1
+    body[-1] = ins(0x300, "@P3 BRA 0x60")  # the same branch in the body (no EXIT before it)
+    assert loop_spills_of_sass("\n".join(body[:-4] + [body[-1], ins(0x310, "EXIT")])) == 2

@@ -314,7 +314,8 @@ _SPIN_LOOP = 8
 def sass_loop_spills(cubin: bytes) -> int:
     """Spill instructions (``STL``/``LDL``) inside the innermost loops of a cubin's SASS (read
     with the ``cuobjdump`` Triton ships): a loop is a backward branch's range, innermost where it
-    holds no other loop (spin loops of a few instructions, barrier waits, do not count). Spills
+    holds no other loop (spin loops of a few instructions, barrier waits, do not count, nor do
+    branches from the out-of-line code after the last ``EXIT`` back into the body). Spills
     outside them run once a work, not once a KV tile."""
     import triton
 
@@ -335,9 +336,14 @@ def loop_spills_of_sass(sass: str) -> int:
     if not ins:
         raise RuntimeError("no SASS in cuobjdump's output")
     step = ins[1][0] - ins[0][0] if len(ins) > 1 else 16
+    # Code after the last EXIT is out of line (a barrier's retry loop placed after the body,
+    # whose branch back into the body would read as a loop around most of the kernel).
+    exits = [a for a, t in ins if re.search(r"\bEXIT\b", t)]
+    body_end = exits[-1] if exits else ins[-1][0]
     loops = [(int(m.group(1), 16), a) for a, t in ins
              for m in [re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", t)]
-             if m and int(m.group(1), 16) < a and (a - int(m.group(1), 16)) // step > _SPIN_LOOP]
+             if m and a <= body_end and int(m.group(1), 16) < a
+             and (a - int(m.group(1), 16)) // step > _SPIN_LOOP]
     inner = [(lo, hi) for lo, hi in loops
              if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops)]
     return sum(1 for a, t in ins if re.search(r"\b(STL|LDL)\b", t)

@@ -190,7 +190,9 @@ class TritonTuning:
     products of the converted tile). None (the default): on where the installed Triton is one
     under which the kernel compiles without spills (:data:`SPLIT_Q_TRITON`, 3.6: on an H100,
     2026-12-06, it met the oracle and took 0.66-0.76x the Triton tiles' stream time at five
-    shapes), off elsewhere (triton 3.9's ptxas spills it); True / False force it.
+    shapes); under other Tritons only in place of the Triton 64-row tile (triton 3.9 spills
+    both, the 64-row tile inside its KV loop, the split kernel outside its loops); True / False
+    force it.
     """
 
     block_n: int | None = None
@@ -364,9 +366,12 @@ def sm90_fp8(tuning: TritonTuning, page_size: int) -> bool:
 
 
 # Triton releases (major, minor) under whose compiler the split-query kernel
-# (``TritonTuning.sm90_split_q``) compiles for sm_90 without spills, so the default takes it:
-# 3.6, the GPU image's, which ran it (H100, 2026-12-06). Triton 3.9's ptxas spills it 124-224
-# bytes a thread (``tests/test_gluon_sm90.py`` checks this table against the compiler it runs).
+# (``TritonTuning.sm90_split_q``) compiles for sm_90 without spills, so the default takes it at
+# every row count: 3.6, the GPU image's, which ran it (H100, 2026-12-06). Triton 3.9's ptxas
+# spills it 124-224 bytes a thread, all outside its KV loops (``tests/test_gluon_sm90.py``
+# checks this table against the compiler it runs); there the default takes it only in place of
+# the Triton 64-row tile, which spills 524-932 bytes under 3.9, 29-43 spill instructions inside
+# its KV loop, and keeps the Triton 16-row tile, which fits.
 SPLIT_Q_TRITON = ((3, 6),)
 
 
@@ -381,13 +386,15 @@ def triton_release() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def sm90_split_q(tuning: TritonTuning, page_size: int) -> bool:
+def sm90_split_q(tuning: TritonTuning, page_size: int, tile_rows: int = 64) -> bool:
     """Whether the Gluon fp8 kernel may serve a 16-bit query against an fp8 cache at
-    ``page_size`` (``TritonTuning.sm90_split_q``, by default where the installed Triton is in
-    :data:`SPLIT_Q_TRITON`; the page sizes of :func:`sm90_fp8_page_size`)."""
+    ``page_size`` (``TritonTuning.sm90_split_q``; the page sizes of
+    :func:`sm90_fp8_page_size`). By default: where the installed Triton is in
+    :data:`SPLIT_Q_TRITON`, or in place of the Triton 64-row tile (``tile_rows``: the rows of
+    the Triton tile the problem would take otherwise)."""
     want = tuning.sm90_split_q
     if want is None:
-        want = triton_release() in SPLIT_Q_TRITON
+        want = triton_release() in SPLIT_Q_TRITON or tile_rows >= 64
     return bool(want and tuning.sm90_kernel and sm90_fp8_page_size(page_size))
 
 
@@ -544,9 +551,13 @@ def make_plan(name: str, problem: DecodeProblem, tuning: TritonTuning | None = N
     """The :class:`TritonPlan` for ``problem`` (``tuning``: the environment's by default)."""
     tuning = TritonTuning.from_env() if tuning is None else tuning
     p, target = problem, problem.target
+    # The Triton tile a 16-bit query against an fp8 cache would take otherwise (its rows decide
+    # the split-query default, :func:`sm90_split_q`).
+    tile_rows = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=False,
+                              tuning=tuning, kv_dtype=p.kv_dtype).block_m
     sm90 = sm90_supported(p.q_dtype, p.kv_dtype, p.kv_lora_rank, p.rope_dim, p.has_kv_scale,
                           fp8=sm90_fp8(tuning, p.page_size),
-                          split_q=sm90_split_q(tuning, p.page_size))
+                          split_q=sm90_split_q(tuning, p.page_size, tile_rows))
     cfg = kernel_config(p.num_heads, p.qlen, p.page_size, target, sm90=sm90, tuning=tuning,
                         kv_dtype=p.kv_dtype)
     programs = num_programs(cfg, target)
