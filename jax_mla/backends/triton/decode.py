@@ -80,8 +80,8 @@ def split_query_e4m3(q):
     pipeline may fold ``convert(convert(y, f8), f32)`` back to ``y`` (excess precision
     allowed), which would leave ``lo`` all zeros.
 
-    Returns ``(parts [T, H, 2 D] float8_e4m3fn, hi then lo, scales [T * H] float32)``; one XLA
-    fusion, jittable."""
+    Returns ``(parts [T, H, 2 D] float8_e4m3fn, hi then lo, scales [T * H] float32)``;
+    jittable."""
     x = q.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
     # The biased exponent e of the row's max: s = 2^(e - 133), 1 / s = 2^(133 - e), both normal
@@ -90,14 +90,17 @@ def split_query_e4m3(q):
     inv = jax.lax.bitcast_convert_type((260 - e) << 23, jnp.float32)
     bad = ~jnp.all(jnp.isfinite(x), axis=-1)  # (a max over a NaN need not be NaN)
     s = jnp.where(bad, jnp.nan, jax.lax.bitcast_convert_type((e - 6) << 23, jnp.float32))
-    y = x * inv[..., None]
+    y = (x * inv[..., None])[..., None, :]  # [T, H, 1, D]
     # e4m3's normal numbers (4 exponent bits, 3 mantissa bits; |y| < 128, so nothing reaches
     # the format's top, where an IEEE-style 4-bit exponent would overflow); subnormals flush.
     hi = jax.lax.reduce_precision(y, exponent_bits=4, mantissa_bits=3)
-    lo = y - hi
-    parts = jnp.concatenate([hi.astype(jnp.float8_e4m3fn), lo.astype(jnp.float8_e4m3fn)],
-                            axis=-1)
-    return parts, s.reshape(-1)
+    # Both parts from one elementwise pass over [T, H, 2, D] (hi, then lo), a free reshape to
+    # [T, H, 2 D]: no concatenation (on an H100 XLA's concatenation of the two parts wrote
+    # 18.9 MB at about 1.3 TB/s, 28.9 µs at B128 H128).
+    which = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 2, 1), 2)
+    parts = jnp.where(which == 0, hi, y - hi).astype(jnp.float8_e4m3fn)
+    t, h, d = q.shape
+    return parts.reshape(t, h, 2 * d), s.reshape(-1)
 
 
 def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale):
