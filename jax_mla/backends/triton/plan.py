@@ -368,7 +368,7 @@ def sm90_fp8(tuning: TritonTuning, page_size: int) -> bool:
 # Triton releases (major, minor) under whose compiler the split-query kernel
 # (``TritonTuning.sm90_split_q``) compiles for sm_90 without spills, so the default takes it at
 # every row count: 3.6, the GPU image's, which ran it (H100, 2026-12-06). Triton 3.9's ptxas
-# spills it 124-224 bytes a thread, all outside its KV loops (``tests/test_gluon_sm90.py``
+# spills it up to 232 bytes a thread, all outside its KV loops (``tests/test_gluon_sm90.py``
 # checks this table against the compiler it runs); there the default takes it only in place of
 # the Triton 64-row tile, which spills 524-932 bytes under 3.9, 29-43 spill instructions inside
 # its KV loop, and keeps the Triton 16-row tile, which fits.
