@@ -386,7 +386,7 @@ def triton_release() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def sm90_split_q(tuning: TritonTuning, page_size: int, tile_rows: int = 64) -> bool:
+def sm90_split_q(tuning: TritonTuning, page_size: int, tile_rows: int) -> bool:
     """Whether the Gluon fp8 kernel may serve a 16-bit query against an fp8 cache at
     ``page_size`` (``TritonTuning.sm90_split_q``; the page sizes of
     :func:`sm90_fp8_page_size`). By default: where the installed Triton is in
