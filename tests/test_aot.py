@@ -134,6 +134,12 @@ def test_sm90_gluon_kernel_fits():
     assert len(gluon) == 12 and {r["config"]["HB"] for r in gluon} >= {21, 64}, gluon
 
 
+def _split_q_default() -> bool:
+    from jax_mla.backends.triton.plan import SPLIT_Q_TRITON, triton_release
+
+    return triton_release() in SPLIT_Q_TRITON
+
+
 @needs_cuda
 def test_sm90_fp8_16_row_tile_fits():
     """An fp8 cache at 16 rows or fewer (1-16 heads at Q = 1, verify at few heads): with a bf16
@@ -141,8 +147,6 @@ def test_sm90_fp8_16_row_tile_fits():
     Triton compiles them without spills (``plan.SPLIT_Q_TRITON``), else 16-token KV tiles at
     four stages (``plan.CUDA_FP8_TILE``) that convert to bf16 without spilling; an fp8 query
     (``fp8q``) takes the Gluon fp8 kernel's 64-row programs, which fit too."""
-    from jax_mla.backends.triton.plan import SPLIT_Q_TRITON, triton_release
-
     rows = check_fits("sm_90", "--heads", "1,4,16", "--qlen", "1", "--dtypes", "fp8,fp8q",
                       kernels={"decode", "reduce", "plan"})
     rows += check_fits("sm_90", "--heads", "1,4", "--qlen", "3,4", "--dtypes", "fp8,fp8q",
@@ -152,7 +156,7 @@ def test_sm90_fp8_16_row_tile_fits():
         "bf16", "fp8e4m3fn"}
     kernels = [r for r in rows if r["kernel"] in ("decode", "verify")]
     bf16 = [r for r in kernels if r["dtypes"].startswith("bf16")]
-    if triton_release() in SPLIT_Q_TRITON:
+    if _split_q_default():
         assert {r["function"] for r in bf16} == {"mla_decode_sm90_fp8_kernel"}, bf16
     else:
         tiles = {(r["config"]["BLOCK_M"], r["config"]["BLOCK_N"], r["config"]["num_stages"])
@@ -218,12 +222,6 @@ def test_sm90_gluon_fp8_kernel_fits():
     gluon = [r for r in rows if r["function"] == "mla_decode_sm90_fp8_kernel"]
     assert {(r["num_heads"], r["qlen"]) for r in gluon} == {(16, 1), (16, 4), (128, 1),
                                                             (128, 4)}, rows
-
-
-def _split_q_default() -> bool:
-    from jax_mla.backends.triton.plan import SPLIT_Q_TRITON, triton_release
-
-    return triton_release() in SPLIT_Q_TRITON
 
 
 @needs_cuda
