@@ -45,6 +45,15 @@
 #include "relaxed_capture.h"
 #include "xla/ffi/api/ffi.h"
 
+// XLA's record stage (jaxlib 0.11 and later): the handler gives XLA its launch to put in the
+// command buffer as a kernel node, instead of XLA capturing the execute stage's launch.
+#if __has_include("xla/ffi/api/record_c_api.h")
+#include "xla/ffi/api/record_c_api.h"
+#define JAX_MLA_HAS_RECORD 1
+#else
+#define JAX_MLA_HAS_RECORD 0
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace jax_mla {
@@ -364,6 +373,112 @@ ffi::Error Execute(bool hip, void* stream, int32_t device, ffi::RemainingArgs ar
   return ffi::Error::Success();
 }
 
+#if JAX_MLA_HAS_RECORD
+// The record stage (CUDA). XLA calls it, instead of capturing the execute stage, when it builds
+// a command buffer that holds the call (action Create) and again whenever a buffer the call
+// reads or writes has moved since (action Update). On Create the handler hands XLA the kernel
+// (name and cubin), the grid, block, shared memory and the pointers, and XLA adds one kernel
+// node to its graph, after the commands XLA says it depends on (no dependencies of our own are
+// passed, so XLA's are used); on Update it passes only the new pointers, which XLA applies to
+// that node in place. Capturing the execute stage instead makes XLA re-capture the launch into
+// a child graph on every update. XLA loads the cubin into its own module (cached by the name
+// and the image's address, so both are interned here for the life of the process); the
+// handler first loads it its own way, which gives the clear error for a binary built for
+// another device (GetFunction). An empty grid, which launches nothing, asks XLA to capture the
+// execute stage (an empty capture) rather than record a launch of zero blocks.
+struct RecordFrameExtension {
+  struct Type {
+    const XLA_FFI_Api* api;
+    XLA_FFI_RecordFrame* frame;
+  };
+  using CExtension = XLA_FFI_Record_Extension;
+  static constexpr auto kName = "RecordExtension";
+  static constexpr int64_t kExtensionType = XLA_FFI_Extension_Record;
+  static constexpr int32_t kMajorVersion = XLA_FFI_Extension_Record_MajorVersion;
+  static constexpr int32_t kMinorVersion = XLA_FFI_Extension_Record_MinorVersion;
+  // The API is marked as still changing: the major version must match, a later minor version
+  // (additions) is accepted.
+  static bool Support(int32_t major, int32_t minor) {
+    return major == kMajorVersion && minor >= kMinorVersion;
+  }
+  static Type Create(const XLA_FFI_Api* api, const CExtension* ext) {
+    return Type{api, ext->record_frame};
+  }
+};
+
+// XLA's error, as ours (its message kept, the error freed).
+ffi::Error FromXla(const XLA_FFI_Api* api, XLA_FFI_Error* error, std::string_view what) {
+  std::string message = ffi::internal::GetErrorMessage(api, error);
+  ffi::internal::DestroyError(api, error);
+  return ffi::Error::Internal("jax_mla: XLA could not " + std::string(what) + ": " + message);
+}
+
+// A kernel's name (NUL-terminated) and cubin at addresses that stay put, by binary hash and name.
+struct InternedKernel {
+  std::string name;
+  std::string image;
+};
+std::mutex intern_mutex;
+std::unordered_map<int64_t, std::vector<InternedKernel*>> interned_kernels;
+
+const InternedKernel& Intern(const Launch& l) {
+  std::lock_guard<std::mutex> lock(intern_mutex);
+  auto& same_hash = interned_kernels[l.binary_hash];
+  for (const InternedKernel* k : same_hash) {
+    if (k->name == l.name) return *k;
+  }
+  same_hash.push_back(new InternedKernel{
+      std::string(l.name),
+      std::string(reinterpret_cast<const char*>(l.binary.begin()), l.binary.size())});
+  return *same_hash.back();
+}
+
+ffi::Error Record(void* stream, int32_t device, RecordFrameExtension::Type record,
+                  ffi::RemainingArgs args, ffi::RemainingRets rets, const Launch& l) {
+  const XLA_FFI_RecordApi* api = record.frame->api;
+  XLA_FFI_RecordContext* ctx = record.frame->record_ctx;
+  if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) {
+    XLA_FFI_Error* e = api->request_stream_capture(ctx);
+    return e == nullptr ? ffi::Error::Success() : FromXla(record.api, e, "capture an empty launch");
+  }
+  auto ptrs = KernelPointers(args, rets, rets.size(), l.hidden_params);
+  if (ptrs.has_error()) return ptrs.error();
+  std::vector<XLA_FFI_KernelArg> kernel_args;
+  kernel_args.reserve(ptrs->size());
+  for (void* p : *ptrs) kernel_args.push_back({p, 0, XLA_FFI_KernelArgType_DevicePtr});
+  XLA_FFI_KernelArgs packed{kernel_args.data(), static_cast<int64_t>(kernel_args.size())};
+  XLA_FFI_RecordFrame& frame = *record.frame;
+  if (frame.action == XLA_FFI_RecordAction_Update) {
+    if (frame.commands == nullptr || frame.num_commands == nullptr || *frame.num_commands != 1) {
+      return ffi::Error::Internal("jax_mla: XLA asked to update " + std::string(l.name) +
+                                  " without the one launch recorded for it");
+    }
+    XLA_FFI_Error* e = api->update_launch(ctx, frame.commands[0], &packed);
+    return e == nullptr ? ffi::Error::Success()
+                        : FromXla(record.api, e, "update the launch of " + std::string(l.name));
+  }
+  if (frame.commands == nullptr || frame.num_commands == nullptr ||
+      *frame.num_commands >= frame.max_commands) {
+    return ffi::Error::Internal("jax_mla: XLA gave no room to record " + std::string(l.name));
+  }
+  auto function = GetFunction(GetDriver(false), stream, device, l);
+  if (function.has_error()) return function.error();
+  const InternedKernel& k = Intern(l);
+  XLA_FFI_LaunchDims dims{{l.grid[0], l.grid[1], l.grid[2]}, {l.block_threads, 1, 1}, {0, 0, 0}};
+  const XLA_FFI_Command* command = nullptr;
+  XLA_FFI_Error* e = api->create_launch(
+      ctx, k.name.c_str(), k.image.data(), static_cast<int64_t>(k.image.size()),
+      XLA_FFI_SourceFormat_CUBIN, dims, static_cast<uint32_t>(l.shared_bytes), l.pdl != 0 ? 1 : 0,
+      &packed, /*dependencies=*/nullptr, /*num_dependencies=*/0, &command);
+  if (e != nullptr) return FromXla(record.api, e, "record the launch of " + std::string(l.name));
+  if (command == nullptr) {
+    return ffi::Error::Internal("jax_mla: XLA recorded no command for " + std::string(l.name));
+  }
+  frame.commands[(*frame.num_commands)++] = command;
+  return ffi::Error::Success();
+}
+#endif  // JAX_MLA_HAS_RECORD
+
 ffi::Error Initialize(bool hip, void* stream, int32_t device, const Launch& l) {
   auto function = GetFunction(GetDriver(hip), stream, device, l);
   return function.has_error() ? function.error() : ffi::Error::Success();
@@ -421,6 +536,14 @@ ffi::Error ExecuteStage(void* stream, int32_t device, ffi::RemainingArgs args,
   return Execute(kHip, stream, device, args, rets, MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
 }
 
+#if JAX_MLA_HAS_RECORD
+ffi::Error RecordStage(void* stream, int32_t device, RecordFrameExtension::Type record,
+                       ffi::RemainingArgs args, ffi::RemainingRets rets,
+                       JAX_MLA_LAUNCH_ATTR_PARAMS) {
+  return Record(stream, device, record, args, rets, MakeLaunch(JAX_MLA_LAUNCH_ATTR_ARGS));
+}
+#endif
+
 }  // namespace
 }  // namespace jax_mla
 
@@ -443,6 +566,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonInitializeRocm, jax_mla::InitializeSta
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonExecuteRocm, jax_mla::ExecuteStage<true>,
                               jax_mla::BindLaunch(ffi::Ffi::Bind()),
                               {ffi::Traits::kCmdBufferCompatible});
+
+#if JAX_MLA_HAS_RECORD
+// The record stage, where the FFI headers have it (jaxlib 0.11+); jax_mla registers it with the
+// CUDA target when the library exports it (ffi_launch.handler_stages).
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonRecordCuda)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaTritonRecordCuda, jax_mla::RecordStage,
+    jax_mla::BindLaunchAttrs(ffi::Ffi::BindRecord()
+                                 .Ctx<ffi::PlatformStream<void*>>()
+                                 .Ctx<ffi::DeviceOrdinal>()
+                                 .Ctx<ffi::Extension<jax_mla::RecordFrameExtension>>()
+                                 .RemainingArgs()
+                                 .RemainingRets()),
+    {ffi::Traits::kCmdBufferCompatible});
+#endif
 
 // Why the CUDA (hip == 0) or ROCm (hip != 0) driver cannot be used, copied into `buffer`
 // ("" when it can): what the handlers return at their first call. For tests and diagnostics.

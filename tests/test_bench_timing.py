@@ -376,7 +376,8 @@ def test_cmdbuf_counts_command_buffer_updates_from_xla_log():
 def test_cmdbuf_reads_the_jax_0_11_forms_of_xla_log():
     """jax 0.11's XLA prefixes the device ordinal and words its lines otherwise (the strings are
     those of the 0.11.2 CUDA plugin): replays and executions between updates, first records
-    apart from updates, our calls recorded by stream capture, and a run as plain thunks."""
+    apart from updates, our calls recorded by stream capture or created by the record stage,
+    and a run as plain thunks."""
     from jax_mla.bench import cmdbuf
 
     rng = np.random.default_rng()
@@ -387,6 +388,9 @@ def test_cmdbuf_reads_the_jax_0_11_forms_of_xla_log():
              f"num_commands={n_cmd}; updated_allocs=0; is_first_record=1; needs_update=0"]
     lines += ["I1205 custom_call_thunk.cc:700] FFI handler requested or required fallback to "
               "stream capture."] * 3
+    recorded = int(rng.integers(1, 6))
+    lines += ["I1205 custom_call_thunk.cc:180] FfiCreateLaunch for kernel: mla_decode_kernel, "
+              "use_pdl from ctx: 0, num_dependencies passed: 0, resolved deps size: 1"] * recorded
     for _ in range(runs):
         lines += ["I1205 command_buffer_thunk.cc:250] [0] Create/Update command buffer by "
                   "recoding command buffer cmd sequence after 1 executions since last update; "
@@ -404,6 +408,7 @@ def test_cmdbuf_reads_the_jax_0_11_forms_of_xla_log():
     assert (got["updates"], got["first_records"], got["num_commands"]) == (runs, 1, n_cmd), got
     assert got["updated_allocs_mean"] == moved and got["update_us_mean"] == 41, got
     assert got["stream_captures"] == 3 and got["commands_skipped_logged"] == runs, got
+    assert got["ffi_records"] == recorded, got
     assert got["thunk_sequence_because"] == ["we detected active profiling session"], got
 
 
@@ -421,9 +426,10 @@ def test_cmdbuf_captures_what_native_code_writes_to_stderr(capfd):
 
 
 def test_the_chain_stage_runs_each_launch_variant_with_xla_logging(monkeypatch, tmp_path):
-    """The session's ``cmdbuf_chains`` stage: one process per variant (execute stage only, with
-    the initialize stage, outside command buffers), each with XLA's command-buffer log on and
-    command buffers kept while the profiler runs."""
+    """The session's ``cmdbuf_chains`` stage: one process per variant (the default stages, by
+    stream capture instead of the record stage, with the initialize stage, outside command
+    buffers), each with XLA's command-buffer and record log on and command buffers kept while
+    the profiler runs."""
     from jax_mla.bench import cmdbuf, session
 
     calls = []
@@ -432,13 +438,16 @@ def test_the_chain_stage_runs_each_launch_variant_with_xla_logging(monkeypatch, 
     monkeypatch.setattr(session, "_python",
                         lambda args, timeout, name, **env: calls.append((args, name, env)))
     session.stage_cmdbuf_chains(None)
-    assert [name for _, name, _ in calls] == [f"cmdbuf_chains {v}" for v in ("on", "init", "off")]
-    for (args, name, env), (cb, init) in zip(calls, [("1", "0"), ("1", "1"), ("0", "0")]):
+    assert [name for _, name, _ in calls] == [f"cmdbuf_chains {v}" for v in (
+        "on", "capture", "init", "off")]
+    want = [("1", "0", None), ("1", "0", "ffi_capture"), ("1", "1", None), ("0", "0", None)]
+    for (args, name, env), (cb, init, launcher) in zip(calls, want):
         assert args[:3] == ["-m", "jax_mla.bench.cmdbuf", "--chains"]
         assert args[3] == str(tmp_path / f"cmdbuf_chains_{name.split()[1]}.json")
         assert (env["JAX_MLA_FFI_COMMAND_BUFFERS"],
                 env["JAX_MLA_FFI_INITIALIZE_STAGE"]) == (cb, init)
+        assert env.get("JAX_MLA_TRITON_LAUNCHER") == launcher
         assert env["TF_CPP_VMODULE"] == cmdbuf.VMODULE and "custom_call_thunk=3" in env[
-            "TF_CPP_VMODULE"]
+            "TF_CPP_VMODULE"] and "record_ffi=3" in env["TF_CPP_VMODULE"]
         assert env["XLA_FLAGS"] == "--xla_enable_command_buffers_during_profiling=true"
         assert env["JAX_MLA_FFI_LIBRARY"] == "/lib/ours.so"

@@ -55,8 +55,9 @@ def test_the_doctor_checks_an_installed_aiter_against_the_manifest():
 
 
 def test_the_doctor_says_how_the_launcher_is_registered(monkeypatch):
-    """The FFI launcher's row says which stages are registered, whether XLA may put the calls
-    in command buffers and when kernels load, with the measurement knob that changed it."""
+    """The FFI launcher's row says which stages are registered (the record stage where the
+    library has it), whether XLA may put the calls in command buffers and when kernels load,
+    with the measurement knob that changed it."""
     from jax_mla.backends.triton import ffi_launch
     from jax_mla.problem import detect_target
 
@@ -66,8 +67,13 @@ def test_the_doctor_says_how_the_launcher_is_registered(monkeypatch):
                  "JAX_MLA_FFI_PRELOAD"):
         monkeypatch.delenv(knob, raising=False)
     [row] = [r for r in doctor._launcher_checks(detect_target()) if r["check"] == "FFI launcher"]
-    assert ("execute stage only, command-buffer compatible, kernels load when traced"
-            in row["detail"]), row
+    assert row["detail"].count("execute stage only") == 1, row
+    assert "command-buffer compatible, kernels load when traced" in row["detail"], row
+    for record, words in ((True, "record stage on CUDA"), (False, "no record stage")):
+        monkeypatch.setattr(ffi_launch, "record_available", lambda record=record: record)
+        [row] = [r for r in doctor._launcher_checks(detect_target())
+                 if r["check"] == "FFI launcher"]
+        assert words in row["detail"], row
     monkeypatch.setenv("JAX_MLA_FFI_INITIALIZE_STAGE", "1")
     monkeypatch.setenv("JAX_MLA_FFI_COMMAND_BUFFERS", "0")
     monkeypatch.setenv("JAX_MLA_FFI_PRELOAD", "0")

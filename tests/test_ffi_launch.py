@@ -10,6 +10,7 @@ our typed FFI custom calls. Launches themselves need a GPU (``-m gpu``).
 import dataclasses
 import importlib.util
 import os
+import re
 import types
 import warnings
 
@@ -41,6 +42,49 @@ def test_the_package_builds_the_library():
     assert os.path.isfile(ffi_launch.library_path())
 
 
+# The first jaxlib whose FFI headers have XLA's record API (the GPU machine's, 2026-12).
+RECORD_JAXLIB = "0.11.2"
+
+
+@needs_library
+def test_the_record_stage_is_built_where_the_headers_have_it(tmp_path):
+    """The CUDA record stage is compiled in exactly where jaxlib's FFI headers have XLA's record
+    API: not against this jaxlib's where they lack it (jax 0.10 on CI), and against jaxlib
+    0.11.2's (its wheel's headers, downloaded: the GPU machine's version) the library builds
+    with the compiler flags of ``setup.py`` and exports ``JaxMlaTritonRecordCuda`` beside the
+    other handlers."""
+    import ctypes
+    import subprocess
+    import sys
+    import zipfile
+
+    here = os.path.exists(os.path.join(jax.ffi.include_dir(), "xla/ffi/api/record_c_api.h"))
+    assert ffi_launch.record_available() == here
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        "--only-binary=:all:", "--python-version", "3.12", "--platform",
+                        "manylinux_2_27_x86_64", "-d", str(tmp_path), f"jaxlib=={RECORD_JAXLIB}"],
+                       capture_output=True, text=True, timeout=600)
+    wheels = list(tmp_path.glob("jaxlib-*.whl"))
+    if r.returncode != 0 or not wheels:
+        pytest.skip(f"jaxlib {RECORD_JAXLIB}'s wheel could not be downloaded: {r.stderr[-500:]}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        z.extractall(tmp_path, [n for n in z.namelist() if "/include/xla/ffi/" in n])
+    include = tmp_path / "jaxlib" / "include"
+    assert (include / "xla/ffi/api/record_c_api.h").exists()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lib = tmp_path / "launch.so"
+    r = subprocess.run(["c++", "-std=c++17", "-O2", "-g0", "-fvisibility=hidden", "-shared",
+                        "-fPIC", f"-I{include}", f"-I{root}/ffi",
+                        f"{root}/ffi/triton_launch.cc", "-o", str(lib), "-ldl"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    built = ctypes.CDLL(str(lib))
+    for symbol in ("JaxMlaTritonRecordCuda", "JaxMlaTritonExecuteCuda",
+                   "JaxMlaTritonExecuteRocm", "JaxMlaTritonPackCpu"):
+        assert hasattr(built, symbol), symbol
+    assert not hasattr(built, "JaxMlaTritonRecordRocm")
+
+
 @needs_library
 def test_library_registers_for_cuda_rocm_and_the_cpu_twin():
     ffi_launch.register()
@@ -65,10 +109,14 @@ def test_gpu_handlers_are_registered_command_buffer_compatible(monkeypatch):
 
 @needs_library
 @pytest.mark.parametrize("initialize", [False, True])
-def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, initialize):
+@pytest.mark.parametrize("record", [False, True])
+def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, initialize,
+                                                                  record):
     """XLA calls a registered initialize stage for every call on every execution: by default
     our GPU targets (the Triton launcher and the three AITER handlers) register ``execute``
-    alone; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` adds the exported initialize handlers."""
+    alone; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` adds the exported initialize handlers. The Triton
+    launcher's CUDA target adds the record stage where the library has it (FFI headers of
+    jaxlib 0.11+); its capture twin and the ROCm targets never do."""
     from jax_mla.backends.aiter import native
 
     monkeypatch.setenv("JAX_MLA_FFI_INITIALIZE_STAGE", "1" if initialize else "0")
@@ -80,21 +128,79 @@ def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, i
     # Symbol names stand in for the handlers: a GPU machine's build of the library has only
     # its own platform's handlers (the CUDA build lacks ``...Rocm``).
     monkeypatch.setattr(ffi_launch, "_capsule", lambda symbol: symbol)
+    monkeypatch.setattr(ffi_launch, "record_available", lambda: record)
     monkeypatch.setattr(native, "_library", lambda: _SymbolNames())
     monkeypatch.setattr(jax.ffi, "pycapsule", lambda fn: fn)
     ffi_launch.register()
     native.register_handlers(native.TARGET_NAME, native.PACK_TARGET_NAME, "JaxMlaAiterAsm",
                              ("ROCM",))
-    gpu = [(name, platform, fn) for name, platform, fn in seen if platform != "cpu"]
-    assert {(name, platform) for name, platform, _ in gpu} == {
-        (ffi_launch.TARGET_NAME, "CUDA"), (ffi_launch.TARGET_NAME, "ROCM"),
-        (native.TARGET_NAME, "ROCM")}
+    gpu = {(name, platform): fn for name, platform, fn in seen if platform != "cpu"}
+    main, capture = ffi_launch.TARGET_NAME, ffi_launch.CAPTURE_TARGET_NAME
+    assert set(gpu) == {(main, "CUDA"), (main, "ROCM"), (capture, "CUDA"), (capture, "ROCM"),
+                        (native.TARGET_NAME, "ROCM")}
     want = {"execute", "initialize"} if initialize else {"execute"}
-    assert all(isinstance(fn, dict) and set(fn) == want for _, _, fn in gpu), gpu
+    for key, fn in gpu.items():
+        assert isinstance(fn, dict), (key, fn)
+        assert set(fn) == (want | {"record"} if record and key == (main, "CUDA") else want), key
     # Each stage is that platform's exported handler of that stage.
-    for _, platform, fn in gpu:
+    for (_, platform), fn in gpu.items():
         suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
         assert all(sym.endswith(stage.capitalize() + suffix) for stage, sym in fn.items()), fn
+
+
+@needs_library
+def test_an_xla_that_refuses_the_record_stage_gets_the_target_without_it(monkeypatch, caplog):
+    """A library built against newer FFI headers than the running XLA's: the CUDA target is
+    registered without the record stage (XLA then captures its launches), and the log says
+    so; an error registering the other stages is not swallowed."""
+    seen = []
+
+    def register(name, fn, platform, **kw):
+        if "record" in fn:
+            raise RuntimeError("unknown FFI stage 'record'")
+        seen.append((name, platform, set(fn)))
+
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", register)
+    monkeypatch.setattr(ffi_launch, "_registered", set())
+    monkeypatch.setattr(ffi_launch, "_capsule", lambda symbol: symbol)
+    monkeypatch.setattr(ffi_launch, "record_available", lambda: True)
+    with caplog.at_level("WARNING", logger=ffi_launch.__name__):
+        ffi_launch.register(("CUDA",))
+    assert (ffi_launch.TARGET_NAME, "CUDA", {"execute"}) in seen, seen
+    assert "record stage" in caplog.text and "unknown FFI stage" in caplog.text
+    monkeypatch.setattr(ffi_launch, "_registered", set())
+    monkeypatch.setattr(ffi_launch, "record_available", lambda: False)
+
+    def refuse(*a, **k):
+        raise RuntimeError("unknown FFI stage 'execute'")
+
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", refuse)
+    with pytest.raises(RuntimeError, match="unknown FFI stage"):
+        ffi_launch.register(("CUDA",))
+
+
+@pytest.mark.parametrize("launcher,name", [("ffi", "jax_mla_triton"),
+                                           ("ffi_capture", "jax_mla_triton_capture")])
+def test_the_capture_launcher_calls_the_target_without_the_record_stage(monkeypatch, launcher,
+                                                                        name):
+    """``launcher="ffi_capture"`` lowers to the twin target registered without the record stage
+    (the A/B's other arm); ``ffi`` to the main one. Both carry the same attributes."""
+    kb = _binary()
+    monkeypatch.setattr(ffi_launch, "compile_kernel", lambda *a, **k: kb)
+    monkeypatch.setattr(ffi_launch, "preload", lambda *a, **k: None)
+    monkeypatch.setattr(ffi_launch, "check_device", lambda *a, **k: None)
+    monkeypatch.setattr(ffi_launch, "register", lambda *a, **k: None)
+    target = Target("cuda", "sm_90", 132)
+
+    def f(x):
+        return launch.triton_call(object(), x, grid=(3,), target=target, launcher=launcher,
+                                  out_shapes=[jax.ShapeDtypeStruct((8,), jnp.float32)])[0]
+
+    text = jax.jit(f).trace(jnp.ones(8, jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(\w+)", text)
+    assert calls == [name], calls
+    assert "kernel_name = \"k\"" in text and "grid_x = 3 : i32" in text, text
 
 
 class _SymbolNames:
@@ -816,3 +922,89 @@ def test_programmatic_dependent_launch_follows_the_kernels_pdl_constexpr():
     assert ffi_launch.launch_attributes(kb, (1,))["pdl"] == 0
     got = ffi_launch.launch_attributes(kb, (1,), pdl=True)["pdl"]
     assert got.dtype == np.int32 and got == 1
+
+
+_RECORD_SCRIPT = """
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+import jax_mla
+from jax_mla.backends.triton import TritonTuning
+sys.path.insert(0, {tests!r})
+from conftest import make_case
+c = make_case(np.random.default_rng({seed}), seq_lens=[900, 1, 64, 300], qlen=1,
+              num_heads=16, page_size=64)
+cache = jnp.asarray(c.cache, jnp.bfloat16)
+t, h, d = c.q.shape
+rng = np.random.default_rng({seed} + 1)
+w = jnp.asarray(rng.standard_normal((h * d, h * d)) / np.sqrt(h * d), jnp.bfloat16)
+xs = [jnp.asarray(rng.standard_normal((t, h * d)), jnp.bfloat16) for _ in range(4)]
+
+def make_q(x, w):
+    # A slow producer of the query (eight dependent 9216-square matmuls, ~1 ms): a decode
+    # launch recorded without its dependency on it would start first and read a stale query.
+    for _ in range(8):
+        x = jnp.tanh(x @ w)
+    return (4.0 * x).reshape(t, h, d)
+
+qs = [np.asarray(jax.jit(make_q)(x, w), np.float32) for x in xs]
+out = dict(q=[q.tolist() for q in qs])
+for launcher in ("ffi", "ffi_capture"):
+    md = jax_mla.build_decode_metadata(c.block_table, c.seq_lens, page_size=64, q=xs[0].reshape(
+        t, h, d), kv_cache=cache, backend="triton", tuning=TritonTuning(launcher=launcher))
+    step = jax.jit(lambda x, w, k, md: jax_mla.mla_attention(make_q(x, w), k, md, scale=c.scale))
+    got = []
+    for _ in range(3):  # the first execution records the command buffer, later ones update it
+        got.append([np.asarray(step(x, w, cache, md), np.float32).tolist() for x in xs])
+    out[launcher] = got
+    print("done", launcher, file=sys.stderr, flush=True)
+json.dump(out, open({path!r}, "w"))
+"""
+
+
+@pytest.mark.gpu
+def test_recorded_launches_wait_for_their_inputs_and_match_captured_ones(tmp_path, rng):
+    """On a CUDA GPU, in a fresh process with XLA's command-buffer log on: a decode step whose
+    query comes from a slow XLA producer, run in one command buffer through the record stage
+    (``launcher="ffi"``) and through stream capture (``ffi_capture``), three times over four
+    fresh inputs. XLA's log must show our launches recorded by the record stage (its
+    ``FfiCreateLaunch`` lines, naming our kernels), every output must match the oracle on the
+    query the producer made (a launch that did not wait for the producer reads another
+    input's query) and the two launchers must agree bit for bit."""
+    import json
+    import subprocess
+    import sys
+
+    from jax_mla.problem import current_platform
+
+    from conftest import make_case
+    from oracle import mla_decode, rel_err
+
+    if current_platform() != "cuda" or not HAS_LIBRARY:
+        pytest.skip("needs a CUDA GPU and the launcher library")
+    if not ffi_launch.record_available():
+        pytest.skip("this jaxlib's FFI headers have no record API (jaxlib 0.11+)")
+    seed = int(rng.integers(1 << 30))
+    path = str(tmp_path / "out.json")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _RECORD_SCRIPT.format(tests=tests, seed=seed,
+                                                                    path=path)],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0",
+                            "TF_CPP_VMODULE": "custom_call_thunk=3,record_ffi=3"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    recorded = set(re.findall(r"FfiCreateLaunch for kernel: (\w+)", r.stderr))
+    assert any(k.startswith("mla_decode") for k in recorded), r.stderr[-3000:]
+    got = json.load(open(path))
+    c = make_case(np.random.default_rng(seed), seq_lens=[900, 1, 64, 300], qlen=1,
+                  num_heads=16, page_size=64)
+    cache = np.asarray(jnp.asarray(c.cache, jnp.bfloat16), np.float32)
+    refs = []
+    for q in got["q"]:
+        q = np.asarray(jnp.asarray(np.asarray(q, np.float32), jnp.bfloat16), np.float32)
+        refs.append(mla_decode(q, cache, c.block_table, c.seq_lens, qlen=1, page_size=64,
+                               scale=c.scale, kv_lora_rank=c.kv_lora_rank)[0])
+    for launcher in ("ffi", "ffi_capture"):
+        for run, outs in enumerate(got[launcher]):
+            for i, o in enumerate(outs):
+                assert rel_err(np.asarray(o, np.float64), refs[i]) < 1e-2, (launcher, run, i)
+    np.testing.assert_array_equal(np.asarray(got["ffi"]), np.asarray(got["ffi_capture"]))

@@ -45,7 +45,7 @@ FLAG_SETS = {
 # The XLA modules whose compiler log lines are worth keeping: the conversion pass says which
 # commands are enabled, which thunk kinds it refused and what it captured.
 VMODULE = ("command_buffer_conversion_pass=2,command_buffer_thunk=3,command_executor=3,"
-           "custom_call_thunk=3")
+           "custom_call_thunk=3,record_ffi=3")
 # XLA runs a command buffer's thunks one by one while a profiler session is active unless told
 # otherwise; the chain probe's host breakdown (``jax.profiler``) must see the command buffer.
 PROFILE_WITH_COMMAND_BUFFERS = "--xla_enable_command_buffers_during_profiling=true"
@@ -80,6 +80,7 @@ _UPDATED_IN = re.compile(r"(?:Updated|Recorded) command buffer in ([\d.]+)")
 _COMMANDS = re.compile(r"Updated (\d+) commands in ([\d.]+).*?skipped (\d+)")
 _SKIPPED = re.compile(r"Skip updating command")
 _CAPTURES = re.compile(r"fallback to stream capture")
+_RECORDS = re.compile(r"FfiCreateLaunch for kernel: (\w+)")
 _SEQUENCE = re.compile(r"as a regular thunk sequence because ([^\n;]+)")
 
 
@@ -89,7 +90,8 @@ def update_summary(text: str) -> dict:
     ``num_executions`` (executions since the last update: stuck at 1 means an update before
     every replay), updates before a replay (first records apart), and per update the
     allocations that moved, the commands re-recorded and skipped, the microseconds it took; our
-    custom calls recorded by stream capture; and why a command buffer ran as plain thunks."""
+    custom calls recorded by stream capture, and launches created through the FFI record stage
+    (``ffi_records``); and why a command buffer ran as plain thunks."""
     def mean(xs):
         return sum(xs) / len(xs) if xs else None
 
@@ -107,6 +109,7 @@ def update_summary(text: str) -> dict:
             "commands_skipped_mean": mean([k for _, _, k in commands]),
             "commands_skipped_logged": len(_SKIPPED.findall(text)),
             "stream_captures": len(_CAPTURES.findall(text)),
+            "ffi_records": len(_RECORDS.findall(text)),
             "thunk_sequence_because": sorted(set(_SEQUENCE.findall(text)))}
 
 
@@ -181,6 +184,7 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
     from jax_mla import env
 
     inside = env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True)
+    launcher = os.environ.get("JAX_MLA_TRITON_LAUNCHER", "auto")
     initialize = env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
     rows = []
     for spec, (fn, args) in calls.items():
@@ -196,7 +200,8 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
                     jax.block_until_ready(out)
                     walls.append(time.perf_counter() - t0)
                     enqueues.append(t1 - t0)
-            rows.append({"shape": spec, "n": n, "ffi_command_buffers": inside,
+            rows.append({"shape": spec, "n": n, "launcher": launcher,
+                         "ffi_command_buffers": inside,
                          "ffi_initialize_stage": initialize,
                          "wall_us": statistics.median(walls) / n * 1e6,
                          "enqueue_us": statistics.median(enqueues) / n * 1e6,

@@ -46,6 +46,9 @@ from jax_mla.problem import Target
 log = logging.getLogger(__name__)
 
 TARGET_NAME = "jax_mla_triton"  # the custom call on CUDA and ROCm
+# The same launch without the record stage: in a command buffer XLA captures the execute
+# stage's launch (``launcher="ffi_capture"``, for the A/B against recording).
+CAPTURE_TARGET_NAME = "jax_mla_triton_capture"
 PACK_TARGET_NAME = "jax_mla_triton_pack"  # the CPU twin that reports the argument packing
 LIBRARY_MODULE = "jax_mla._triton_launch"  # the library setup.py builds from ffi/
 # Bumped when what is cached changes shape, or the TTGIR rewrite changes.
@@ -95,6 +98,11 @@ def _capsule(symbol: str):
     return jax.ffi.pycapsule(getattr(_library(), symbol))
 
 
+def record_available() -> bool:
+    """Whether the built library has the CUDA record stage: it is compiled in where jaxlib's FFI
+    headers have XLA's record API (``xla/ffi/api/record_c_api.h``, jaxlib 0.11 and later)."""
+    return hasattr(_library(), "JaxMlaTritonRecordCuda")
+
 
 
 def command_buffer_traits():
@@ -114,20 +122,26 @@ def command_buffer_traits():
     return xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
 
 
-def handler_stages(capsule) -> dict:
-    """The stages a GPU target registers: ``execute`` only, which finds its module loaded by
+def handler_stages(capsule, record: bool = False) -> dict:
+    """The stages a GPU target registers: ``execute``, which finds its module loaded by
     :func:`preload` or loads it at the first call (the handlers relax the thread's
-    stream-capture mode for that load, so it may happen while XLA records a command buffer).
-    XLA calls an initialize stage for every custom call on every execution of the program,
-    command buffer or not, which is host time a step's command buffer cannot hide;
-    ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` registers it too (a measurement knob, read when the
-    targets are first registered). ``capsule(stage)`` gives a stage's handler
-    (``"Initialize"`` or ``"Execute"``)."""
+    stream-capture mode for that load, so it may happen while XLA captures a command buffer),
+    and with ``record`` XLA's record stage (CUDA, where the library has it:
+    :func:`record_available`), through which XLA puts the launch in a command buffer as a
+    kernel node of its own and later only updates that node's pointers, instead of capturing
+    the execute stage into a child graph and capturing it again on every update
+    (``docs/launcher.md``). XLA calls an initialize stage for every custom call on every
+    execution of the program, command buffer or not, which is host time a step's command
+    buffer cannot hide; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` registers it too (a measurement
+    knob, read when the targets are first registered). ``capsule(stage)`` gives a stage's
+    handler (``"Initialize"``, ``"Execute"`` or ``"Record"``)."""
     from jax_mla import env
 
     stages = {"execute": capsule("Execute")}
     if env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False):
         stages["initialize"] = capsule("Initialize")
+    if record:
+        stages["record"] = capsule("Record")
     return stages
 
 
@@ -138,6 +152,11 @@ def launch_mode() -> str:
 
     stages = ("initialize + execute stages" if env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
               else "execute stage only")
+    try:
+        stages += (", record stage on CUDA" if record_available()
+                   else ", no record stage (FFI headers older than jaxlib 0.11)")
+    except (RuntimeError, OSError):
+        pass
     graphs = ("command-buffer compatible" if env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True)
               else "outside command buffers (JAX_MLA_FFI_COMMAND_BUFFERS=0)")
     loads = ("kernels load when traced" if env.read_flag("JAX_MLA_FFI_PRELOAD", True)
@@ -152,9 +171,12 @@ _registered: set[str] = set()
 def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
     """Register the handlers with XLA for ``platforms`` (idempotent; no GPU needed).
 
-    ``CUDA`` and ``ROCM`` get the launcher (:func:`handler_stages`); ``cpu`` gets the
-    twin :data:`PACK_TARGET_NAME`, which decodes the same attributes and reports how the
-    parameters were packed, for tests.
+    ``CUDA`` and ``ROCM`` get the launcher (:func:`handler_stages`) twice: as
+    :data:`TARGET_NAME`, with the record stage on CUDA where the library has it, and as
+    :data:`CAPTURE_TARGET_NAME`, without (``launcher="ffi_capture"``). An XLA that refuses the
+    record stage gets the target without it, said once in the log. ``cpu`` gets the twin
+    :data:`PACK_TARGET_NAME`, which decodes the same attributes and reports how the parameters
+    were packed, for tests.
     """
     with _REGISTER_LOCK:
         for platform in platforms:
@@ -163,13 +185,27 @@ def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
             if platform == "cpu":
                 jax.ffi.register_ffi_target(PACK_TARGET_NAME, _capsule("JaxMlaTritonPackCpu"),
                                             platform="cpu")
-            else:
-                suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
-                jax.ffi.register_ffi_target(
-                    TARGET_NAME,
-                    handler_stages(
-                        lambda stage, suffix=suffix: _capsule(f"JaxMlaTriton{stage}{suffix}")),
-                    platform=platform, traits=command_buffer_traits())
+                _registered.add(platform)
+                continue
+            suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
+
+            def capsule(stage, suffix=suffix):
+                return _capsule(f"JaxMlaTriton{stage}{suffix}")
+
+            traits = command_buffer_traits()
+            jax.ffi.register_ffi_target(CAPTURE_TARGET_NAME, handler_stages(capsule),
+                                        platform=platform, traits=traits)
+            record = platform == "CUDA" and record_available()
+            try:
+                jax.ffi.register_ffi_target(TARGET_NAME, handler_stages(capsule, record),
+                                            platform=platform, traits=traits)
+            except Exception as e:  # an XLA without the record stage: capture instead
+                if not record:
+                    raise
+                log.warning("jax_mla: XLA did not take the FFI launcher's record stage (%s); "
+                            "its launches are captured into command buffers instead", e)
+                jax.ffi.register_ffi_target(TARGET_NAME, handler_stages(capsule),
+                                            platform=platform, traits=traits)
             _registered.add(platform)
 
 
@@ -516,9 +552,10 @@ def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
 
 
 def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_aliases=None,
-           num_warps=4, num_stages=2, compile_options=None, **constexprs):
+           num_warps=4, num_stages=2, compile_options=None, record: bool = True, **constexprs):
     """``kernel[grid](*arrays, *outs, **constexprs)`` as one FFI custom call; the outputs.
-    ``compile_options``: further options of Triton's compile (``compile_kernel``)."""
+    ``compile_options``: further options of Triton's compile (``compile_kernel``); ``record``
+    false: the target without the record stage (:data:`CAPTURE_TARGET_NAME`)."""
     for i, a in enumerate(arrays):
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"{kernel.__name__}: argument {i} is {type(a).__name__}; the native "
@@ -530,7 +567,7 @@ def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_ali
     kb = compile_kernel(kernel, dtypes, constexprs, target, num_warps=num_warps,
                         num_stages=num_stages, options=compile_options)
     preload(kb, target)
-    call = jax.ffi.ffi_call(TARGET_NAME, out_shapes,
+    call = jax.ffi.ffi_call(TARGET_NAME if record else CAPTURE_TARGET_NAME, out_shapes,
                             input_output_aliases=dict(input_output_aliases or {}))
     # A kernel compiled to wait on its predecessor (the ``PDL`` constexpr of jax_mla's kernels)
     # is the one that may be launched ahead of it.

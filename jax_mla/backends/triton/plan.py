@@ -161,7 +161,9 @@ class TritonTuning:
     schedule is computed, ``kernel`` (one Triton program, ``kernels/triton/plan.py``), ``jnp``
     (XLA ops) or ``auto`` (the kernel on GPUs, jnp on CPU, where the interpreter would be slower
     than XLA); both give the same arrays, bit for bit. ``launcher``: how kernels reach XLA on
-    GPUs, ``ffi`` (jax_mla's own FFI handler), ``jax_triton`` or ``auto``
+    GPUs, ``ffi`` (jax_mla's own FFI handler; in a CUDA command buffer XLA records its launch
+    through the handler's record stage), ``ffi_capture`` (the same handler without the record
+    stage: XLA captures its launch, for the A/B), ``jax_triton`` or ``auto``
     (``launch.resolve_launcher``). ``pdl``: programmatic dependent launch of the Triton decode
     and reduce kernels on Hopper (each may be launched while the kernel before it finishes, and
     waits for it before touching memory; off: on the H200 it changed neither GPU nor stream time
