@@ -30,6 +30,7 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -568,8 +569,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonExecuteRocm, jax_mla::ExecuteStage<tru
                               {ffi::Traits::kCmdBufferCompatible});
 
 #if JAX_MLA_HAS_RECORD
-// The record stage, where the FFI headers have it (jaxlib 0.11+); jax_mla registers it with the
-// CUDA target when the library exports it (ffi_launch.handler_stages).
+// The record stage, where the FFI headers have it (jaxlib 0.11+).
 JAX_MLA_EXPORT_HANDLER(JaxMlaTritonRecordCuda)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMlaTritonRecordCuda, jax_mla::RecordStage,
@@ -580,6 +580,68 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                  .RemainingArgs()
                                  .RemainingRets()),
     {ffi::Traits::kCmdBufferCompatible});
+
+// Registering the record stage. jax registers a GPU target through the PJRT plugin's
+// custom-call extension, which carries the instantiate, prepare, initialize and execute stages
+// but no record stage (jaxlib 0.11.2), so a record bundle cannot be registered from Python.
+// XLA's own FFI API can: XLA_FFI_Handler_Register takes the whole bundle. Its table is what
+// XLA hands every handler it calls (XLA_FFI_CallFrame::api), and the plugin exports nothing
+// else, so jax_mla runs this tiny target once (ffi_launch.register_record_target), which takes
+// the table from its call frame and registers `target` for CUDA with {execute, record} and
+// `traits`. The outcome, for JaxMlaTritonRecordTargetStatus: -1 not tried, 0 registered, else
+// XLA's error.
+namespace jax_mla {
+namespace {
+std::atomic<const XLA_FFI_Api*> bootstrap_api{nullptr};
+std::mutex record_target_mutex;
+int record_target_state = -1;
+std::string record_target_error;
+
+ffi::Error RegisterRecordTarget(std::string_view target, int32_t traits) {
+  std::lock_guard<std::mutex> lock(record_target_mutex);
+  if (record_target_state == 0) return ffi::Error::Success();
+  const XLA_FFI_Api* api = bootstrap_api.load();
+  if (api == nullptr) return ffi::Error::Internal("jax_mla: XLA's FFI API was not seen");
+  static std::string name;  // XLA may keep the view
+  static const char kPlatform[] = "CUDA";
+  name = std::string(target);
+  XLA_FFI_Handler_Register_Args args{};
+  args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;
+  args.extension_start = nullptr;
+  args.name = XLA_FFI_ByteSpan{name.data(), name.size()};
+  args.platform = XLA_FFI_ByteSpan{kPlatform, sizeof(kPlatform) - 1};
+  args.bundle = XLA_FFI_Handler_Bundle{nullptr, nullptr, nullptr, JaxMlaTritonExecuteCuda,
+                                       JaxMlaTritonRecordCuda};
+  args.traits = static_cast<XLA_FFI_Handler_Traits>(traits);
+  if (XLA_FFI_Error* e = api->XLA_FFI_Handler_Register(&args); e != nullptr) {
+    record_target_error = ffi::internal::GetErrorMessage(api, e);
+    ffi::internal::DestroyError(api, e);
+    record_target_state = 1;
+    return ffi::Error::Internal("jax_mla: XLA refused the record target " + name + ": " +
+                                record_target_error);
+  }
+  record_target_state = 0;
+  return ffi::Error::Success();
+}
+}  // namespace
+}  // namespace jax_mla
+
+XLA_FFI_DEFINE_HANDLER(kJaxMlaTritonBootstrap, jax_mla::RegisterRecordTarget,
+                       ffi::Ffi::Bind().Attr<std::string_view>("target").Attr<int32_t>("traits"));
+
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JaxMlaTritonBootstrapCuda(
+    XLA_FFI_CallFrame* frame) {
+  if (frame != nullptr && frame->api != nullptr) jax_mla::bootstrap_api.store(frame->api);
+  return kJaxMlaTritonBootstrap(frame);
+}
+
+extern "C" __attribute__((visibility("default"))) int JaxMlaTritonRecordTargetStatus(char* buffer,
+                                                                                     int size) {
+  std::lock_guard<std::mutex> lock(jax_mla::record_target_mutex);
+  if (size > 0) std::snprintf(buffer, static_cast<size_t>(size), "%s",
+                              jax_mla::record_target_error.c_str());
+  return jax_mla::record_target_state;
+}
 #endif
 
 // Why the CUDA (hip == 0) or ROCm (hip != 0) driver cannot be used, copied into `buffer`

@@ -109,14 +109,10 @@ def test_gpu_handlers_are_registered_command_buffer_compatible(monkeypatch):
 
 @needs_library
 @pytest.mark.parametrize("initialize", [False, True])
-@pytest.mark.parametrize("record", [False, True])
-def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, initialize,
-                                                                  record):
+def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, initialize):
     """XLA calls a registered initialize stage for every call on every execution: by default
     our GPU targets (the Triton launcher and the three AITER handlers) register ``execute``
-    alone; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` adds the exported initialize handlers. The Triton
-    launcher's CUDA target adds the record stage where the library has it (FFI headers of
-    jaxlib 0.11+); its capture twin and the ROCm targets never do."""
+    alone; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` adds the exported initialize handlers."""
     from jax_mla.backends.aiter import native
 
     monkeypatch.setenv("JAX_MLA_FFI_INITIALIZE_STAGE", "1" if initialize else "0")
@@ -128,68 +124,61 @@ def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, i
     # Symbol names stand in for the handlers: a GPU machine's build of the library has only
     # its own platform's handlers (the CUDA build lacks ``...Rocm``).
     monkeypatch.setattr(ffi_launch, "_capsule", lambda symbol: symbol)
-    monkeypatch.setattr(ffi_launch, "record_available", lambda: record)
     monkeypatch.setattr(native, "_library", lambda: _SymbolNames())
     monkeypatch.setattr(jax.ffi, "pycapsule", lambda fn: fn)
     ffi_launch.register()
     native.register_handlers(native.TARGET_NAME, native.PACK_TARGET_NAME, "JaxMlaAiterAsm",
                              ("ROCM",))
-    gpu = {(name, platform): fn for name, platform, fn in seen if platform != "cpu"}
-    main, capture = ffi_launch.TARGET_NAME, ffi_launch.CAPTURE_TARGET_NAME
-    assert set(gpu) == {(main, "CUDA"), (main, "ROCM"), (capture, "CUDA"), (capture, "ROCM"),
-                        (native.TARGET_NAME, "ROCM")}
+    gpu = [(name, platform, fn) for name, platform, fn in seen if platform != "cpu"]
+    assert {(name, platform) for name, platform, _ in gpu} == {
+        (ffi_launch.TARGET_NAME, "CUDA"), (ffi_launch.TARGET_NAME, "ROCM"),
+        (native.TARGET_NAME, "ROCM")}
     want = {"execute", "initialize"} if initialize else {"execute"}
-    for key, fn in gpu.items():
-        assert isinstance(fn, dict), (key, fn)
-        assert set(fn) == (want | {"record"} if record and key == (main, "CUDA") else want), key
+    assert all(isinstance(fn, dict) and set(fn) == want for _, _, fn in gpu), gpu
     # Each stage is that platform's exported handler of that stage.
-    for (_, platform), fn in gpu.items():
+    for _, platform, fn in gpu:
         suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
         assert all(sym.endswith(stage.capitalize() + suffix) for stage, sym in fn.items()), fn
 
 
-@needs_library
-def test_an_xla_that_refuses_the_record_stage_gets_the_target_without_it(monkeypatch, caplog):
-    """A library built against newer FFI headers than the running XLA's: the CUDA target is
-    registered without the record stage (XLA then captures its launches), and the log says
-    so; an error registering the other stages is not swallowed."""
-    seen = []
-
-    def register(name, fn, platform, **kw):
-        if "record" in fn:
-            raise RuntimeError("unknown FFI stage 'record'")
-        seen.append((name, platform, set(fn)))
-
-    monkeypatch.setattr(jax.ffi, "register_ffi_target", register)
-    monkeypatch.setattr(ffi_launch, "_registered", set())
-    monkeypatch.setattr(ffi_launch, "_capsule", lambda symbol: symbol)
+@pytest.mark.parametrize("knob,value,words", [
+    ("JAX_MLA_FFI_COMMAND_BUFFERS", "0", "JAX_MLA_FFI_COMMAND_BUFFERS=0"),
+    ("JAX_MLA_FFI_INITIALIZE_STAGE", "1", "no initialize stage"),
+    (None, None, "no CUDA device")])
+def test_the_record_target_is_registered_only_where_it_can_be(monkeypatch, knob, value, words):
+    """The record target needs command buffers on, no initialize stage, a library with the
+    record stage and a CUDA device: otherwise the reason is returned (and kept for the
+    process), nothing is run and every launch calls the plain target."""
+    if knob:
+        monkeypatch.setenv(knob, value)
+    monkeypatch.setattr(ffi_launch, "_record_reason", [])
     monkeypatch.setattr(ffi_launch, "record_available", lambda: True)
-    with caplog.at_level("WARNING", logger=ffi_launch.__name__):
-        ffi_launch.register(("CUDA",))
-    assert (ffi_launch.TARGET_NAME, "CUDA", {"execute"}) in seen, seen
-    assert "record stage" in caplog.text and "unknown FFI stage" in caplog.text
-    monkeypatch.setattr(ffi_launch, "_registered", set())
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: pytest.fail("registered"))
+    reason = ffi_launch.register_record_target()
+    assert reason is not None and words in reason, reason
+    assert ffi_launch.register_record_target() == reason  # once a process
+    monkeypatch.setattr(ffi_launch, "_record_reason", [])
     monkeypatch.setattr(ffi_launch, "record_available", lambda: False)
-
-    def refuse(*a, **k):
-        raise RuntimeError("unknown FFI stage 'execute'")
-
-    monkeypatch.setattr(jax.ffi, "register_ffi_target", refuse)
-    with pytest.raises(RuntimeError, match="unknown FFI stage"):
-        ffi_launch.register(("CUDA",))
+    monkeypatch.delenv("JAX_MLA_FFI_COMMAND_BUFFERS", raising=False)
+    monkeypatch.delenv("JAX_MLA_FFI_INITIALIZE_STAGE", raising=False)
+    assert "no record stage" in ffi_launch.register_record_target()
 
 
-@pytest.mark.parametrize("launcher,name", [("ffi", "jax_mla_triton"),
-                                           ("ffi_capture", "jax_mla_triton_capture")])
-def test_the_capture_launcher_calls_the_target_without_the_record_stage(monkeypatch, launcher,
-                                                                        name):
-    """``launcher="ffi_capture"`` lowers to the twin target registered without the record stage
-    (the A/B's other arm); ``ffi`` to the main one. Both carry the same attributes."""
+@pytest.mark.parametrize("launcher,registered,name", [
+    ("ffi", True, "jax_mla_triton_record"), ("ffi", False, "jax_mla_triton"),
+    ("ffi_capture", True, "jax_mla_triton")])
+def test_the_launchers_call_the_record_target_where_it_is_registered(monkeypatch, launcher,
+                                                                     registered, name):
+    """``launcher="ffi"`` on CUDA lowers to the record target where it could be registered,
+    else to the plain one; ``ffi_capture`` always to the plain one (the A/B's other arm). Both
+    carry the same attributes."""
     kb = _binary()
     monkeypatch.setattr(ffi_launch, "compile_kernel", lambda *a, **k: kb)
     monkeypatch.setattr(ffi_launch, "preload", lambda *a, **k: None)
     monkeypatch.setattr(ffi_launch, "check_device", lambda *a, **k: None)
     monkeypatch.setattr(ffi_launch, "register", lambda *a, **k: None)
+    monkeypatch.setattr(ffi_launch, "register_record_target",
+                        lambda: None if registered else "no CUDA device")
     target = Target("cuda", "sm_90", 132)
 
     def f(x):
@@ -957,6 +946,8 @@ for launcher in ("ffi", "ffi_capture"):
         got.append([np.asarray(step(x, w, cache, md), np.float32).tolist() for x in xs])
     out[launcher] = got
     print("done", launcher, file=sys.stderr, flush=True)
+from jax_mla.backends.triton import ffi_launch
+print("record target:", ffi_launch.register_record_target(), file=sys.stderr, flush=True)
 json.dump(out, open({path!r}, "w"))
 """
 
@@ -994,6 +985,7 @@ def test_recorded_launches_wait_for_their_inputs_and_match_captured_ones(tmp_pat
                             # this process may hold most of the GPU's memory already
                             "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "record target: None" in r.stderr, r.stderr[-3000:]
     recorded = set(re.findall(r"FfiCreateLaunch for kernel: (\w+)", r.stderr))
     assert any(k.startswith("mla_decode") for k in recorded), r.stderr[-3000:]
     got = json.load(open(path))

@@ -45,10 +45,12 @@ from jax_mla.problem import Target
 
 log = logging.getLogger(__name__)
 
-TARGET_NAME = "jax_mla_triton"  # the custom call on CUDA and ROCm
-# The same launch without the record stage: in a command buffer XLA captures the execute
-# stage's launch (``launcher="ffi_capture"``, for the A/B against recording).
-CAPTURE_TARGET_NAME = "jax_mla_triton_capture"
+TARGET_NAME = "jax_mla_triton"  # the custom call on CUDA and ROCm (registered through jax)
+# CUDA: the same handler with XLA's record stage, registered through XLA's FFI API by the
+# bootstrap target (:func:`register_record_target`); ``launcher="ffi"`` calls it where it is
+# registered, ``launcher="ffi_capture"`` always calls :data:`TARGET_NAME`.
+RECORD_TARGET_NAME = "jax_mla_triton_record"
+BOOTSTRAP_TARGET_NAME = "jax_mla_triton_bootstrap"
 PACK_TARGET_NAME = "jax_mla_triton_pack"  # the CPU twin that reports the argument packing
 LIBRARY_MODULE = "jax_mla._triton_launch"  # the library setup.py builds from ffi/
 # Bumped when what is cached changes shape, or the TTGIR rewrite changes.
@@ -122,27 +124,98 @@ def command_buffer_traits():
     return xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
 
 
-def handler_stages(capsule, record: bool = False) -> dict:
-    """The stages a GPU target registers: ``execute``, which finds its module loaded by
-    :func:`preload` or loads it at the first call (the handlers relax the thread's
-    stream-capture mode for that load, so it may happen while XLA captures a command buffer),
-    and with ``record`` XLA's record stage (CUDA, where the library has it:
-    :func:`record_available`), through which XLA puts the launch in a command buffer as a
-    kernel node of its own and later only updates that node's pointers, instead of capturing
-    the execute stage into a child graph and capturing it again on every update
-    (``docs/launcher.md``). XLA calls an initialize stage for every custom call on every
-    execution of the program, command buffer or not, which is host time a step's command
-    buffer cannot hide; ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` registers it too (a measurement
-    knob, read when the targets are first registered). ``capsule(stage)`` gives a stage's
-    handler (``"Initialize"``, ``"Execute"`` or ``"Record"``)."""
+def handler_stages(capsule) -> dict:
+    """The stages a GPU target registers through jax: ``execute`` only, which finds its module
+    loaded by :func:`preload` or loads it at the first call (the handlers relax the thread's
+    stream-capture mode for that load, so it may happen while XLA records a command buffer).
+    XLA calls an initialize stage for every custom call on every execution of the program,
+    command buffer or not, which is host time a step's command buffer cannot hide;
+    ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` registers it too (a measurement knob, read when the
+    targets are first registered). ``capsule(stage)`` gives a stage's handler
+    (``"Initialize"`` or ``"Execute"``). The record stage cannot be registered this way
+    (:func:`register_record_target`)."""
     from jax_mla import env
 
     stages = {"execute": capsule("Execute")}
     if env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False):
         stages["initialize"] = capsule("Initialize")
-    if record:
-        stages["record"] = capsule("Record")
     return stages
+
+
+_RECORD_LOCK = threading.Lock()
+_record_reason: list[str | None] = []  # [] not tried yet, [None] registered, [reason] not
+
+
+def register_record_target() -> str | None:
+    """Register :data:`RECORD_TARGET_NAME` for CUDA, once per process: None when it is (now or
+    before), else why not, in words.
+
+    XLA's record stage puts our launch in a command buffer as a kernel node of its own and
+    later only updates that node's pointers; without it XLA captures the execute stage's launch
+    into a child graph, and captures it again each time a buffer it uses moves, which is every
+    execution of a jitted step (``docs/launcher.md``). jax registers GPU targets through the
+    PJRT plugin, which passes no record stage, so the library registers this one itself through
+    XLA's FFI API (``XLA_FFI_Handler_Register``, bundle {execute, record}, command-buffer
+    compatible). That API's table reaches the library only in a handler's call frame: the
+    bootstrap target (:data:`BOOTSTRAP_TARGET_NAME`) is run once on the first CUDA device, in a
+    thread of its own, since this is called while a step is traced. Not registered: no CUDA
+    device, a library built against FFI headers without the record API (jaxlib < 0.11),
+    ``JAX_MLA_FFI_COMMAND_BUFFERS=0``, ``launch_mode``'s other knob
+    ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` (the record bundle has no initialize stage), or XLA
+    refusing it (its message)."""
+    with _RECORD_LOCK:
+        if not _record_reason:
+            _record_reason.append(_register_record_target())
+            if _record_reason[0] is not None:
+                log.info("jax_mla: launches are captured into command buffers, not recorded: %s",
+                         _record_reason[0])
+        return _record_reason[0]
+
+
+def _register_record_target() -> str | None:
+    import jax.numpy as jnp
+
+    if not env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True):
+        return "JAX_MLA_FFI_COMMAND_BUFFERS=0"
+    if env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False):
+        return "JAX_MLA_FFI_INITIALIZE_STAGE=1 (the record target has no initialize stage)"
+    try:
+        if not record_available():
+            return ("the FFI library has no record stage (built against jaxlib's FFI headers "
+                    "older than 0.11)")
+    except (RuntimeError, OSError) as e:
+        return str(e)
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        devices = []
+    if not devices:
+        return "no CUDA device in this process"
+    register(("CUDA",))
+    jax.ffi.register_ffi_target(BOOTSTRAP_TARGET_NAME, _capsule("JaxMlaTritonBootstrapCuda"),
+                                platform="CUDA")
+    errors = []
+
+    def bootstrap():  # a thread of its own: a trace in this one would stage the call instead
+        try:
+            with jax.default_device(devices[0]):
+                call = jax.ffi.ffi_call(BOOTSTRAP_TARGET_NAME, jax.ShapeDtypeStruct((), jnp.int32))
+                traits = int(command_buffer_traits())
+                jax.block_until_ready(jax.jit(lambda: call(target=RECORD_TARGET_NAME,
+                                                           traits=np.int32(traits)))())
+        except Exception as e:  # noqa: BLE001 - reported as the reason
+            errors.append(e)
+
+    thread = threading.Thread(target=bootstrap, name="jax_mla-record-bootstrap")
+    thread.start()
+    thread.join()
+    buf = ctypes.create_string_buffer(1024)
+    state = _library().JaxMlaTritonRecordTargetStatus(buf, len(buf))
+    if state == 0:
+        return None
+    if errors:
+        return f"the bootstrap call failed: {errors[0]}"
+    return f"XLA refused the target: {buf.value.decode()}" if state > 0 else "not registered"
 
 
 def launch_mode() -> str:
@@ -152,11 +225,16 @@ def launch_mode() -> str:
 
     stages = ("initialize + execute stages" if env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
               else "execute stage only")
-    try:
-        stages += (", record stage on CUDA" if record_available()
-                   else ", no record stage (FFI headers older than jaxlib 0.11)")
-    except (RuntimeError, OSError):
-        pass
+    if _record_reason:
+        stages += (f", record stage on CUDA ({RECORD_TARGET_NAME})" if _record_reason[0] is None
+                   else f", no record stage ({_record_reason[0]})")
+    else:
+        try:
+            stages += (", record stage on CUDA when the first step is traced"
+                       if record_available()
+                       else ", no record stage (FFI headers older than jaxlib 0.11)")
+        except (RuntimeError, OSError):
+            pass
     graphs = ("command-buffer compatible" if env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True)
               else "outside command buffers (JAX_MLA_FFI_COMMAND_BUFFERS=0)")
     loads = ("kernels load when traced" if env.read_flag("JAX_MLA_FFI_PRELOAD", True)
@@ -171,12 +249,10 @@ _registered: set[str] = set()
 def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
     """Register the handlers with XLA for ``platforms`` (idempotent; no GPU needed).
 
-    ``CUDA`` and ``ROCM`` get the launcher (:func:`handler_stages`) twice: as
-    :data:`TARGET_NAME`, with the record stage on CUDA where the library has it, and as
-    :data:`CAPTURE_TARGET_NAME`, without (``launcher="ffi_capture"``). An XLA that refuses the
-    record stage gets the target without it, said once in the log. ``cpu`` gets the twin
-    :data:`PACK_TARGET_NAME`, which decodes the same attributes and reports how the parameters
-    were packed, for tests.
+    ``CUDA`` and ``ROCM`` get the launcher (:func:`handler_stages`) as :data:`TARGET_NAME`
+    (CUDA's record target is registered apart: :func:`register_record_target`); ``cpu`` gets
+    the twin :data:`PACK_TARGET_NAME`, which decodes the same attributes and reports how the
+    parameters were packed, for tests.
     """
     with _REGISTER_LOCK:
         for platform in platforms:
@@ -185,27 +261,13 @@ def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
             if platform == "cpu":
                 jax.ffi.register_ffi_target(PACK_TARGET_NAME, _capsule("JaxMlaTritonPackCpu"),
                                             platform="cpu")
-                _registered.add(platform)
-                continue
-            suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
-
-            def capsule(stage, suffix=suffix):
-                return _capsule(f"JaxMlaTriton{stage}{suffix}")
-
-            traits = command_buffer_traits()
-            jax.ffi.register_ffi_target(CAPTURE_TARGET_NAME, handler_stages(capsule),
-                                        platform=platform, traits=traits)
-            record = platform == "CUDA" and record_available()
-            try:
-                jax.ffi.register_ffi_target(TARGET_NAME, handler_stages(capsule, record),
-                                            platform=platform, traits=traits)
-            except Exception as e:  # an XLA without the record stage: capture instead
-                if not record:
-                    raise
-                log.warning("jax_mla: XLA did not take the FFI launcher's record stage (%s); "
-                            "its launches are captured into command buffers instead", e)
-                jax.ffi.register_ffi_target(TARGET_NAME, handler_stages(capsule),
-                                            platform=platform, traits=traits)
+            else:
+                suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
+                jax.ffi.register_ffi_target(
+                    TARGET_NAME,
+                    handler_stages(
+                        lambda stage, suffix=suffix: _capsule(f"JaxMlaTriton{stage}{suffix}")),
+                    platform=platform, traits=command_buffer_traits())
             _registered.add(platform)
 
 
@@ -554,8 +616,9 @@ def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
 def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_aliases=None,
            num_warps=4, num_stages=2, compile_options=None, record: bool = True, **constexprs):
     """``kernel[grid](*arrays, *outs, **constexprs)`` as one FFI custom call; the outputs.
-    ``compile_options``: further options of Triton's compile (``compile_kernel``); ``record``
-    false: the target without the record stage (:data:`CAPTURE_TARGET_NAME`)."""
+    ``compile_options``: further options of Triton's compile (``compile_kernel``); ``record``:
+    on CUDA, the target with XLA's record stage where it can be registered
+    (:func:`register_record_target`); false: :data:`TARGET_NAME`, whose launch XLA captures."""
     for i, a in enumerate(arrays):
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"{kernel.__name__}: argument {i} is {type(a).__name__}; the native "
@@ -567,7 +630,10 @@ def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_ali
     kb = compile_kernel(kernel, dtypes, constexprs, target, num_warps=num_warps,
                         num_stages=num_stages, options=compile_options)
     preload(kb, target)
-    call = jax.ffi.ffi_call(TARGET_NAME if record else CAPTURE_TARGET_NAME, out_shapes,
+    name = TARGET_NAME
+    if record and target.platform == "cuda" and register_record_target() is None:
+        name = RECORD_TARGET_NAME
+    call = jax.ffi.ffi_call(name, out_shapes,
                             input_output_aliases=dict(input_output_aliases or {}))
     # A kernel compiled to wait on its predecessor (the ``PDL`` constexpr of jax_mla's kernels)
     # is the one that may be launched ahead of it.
