@@ -22,7 +22,7 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
 - ``JAX_MLA_SPLIT_PLAN``: the split schedule, ``auto`` (default), ``line`` or ``even``.
 - ``JAX_MLA_TRITON_PLANNER``: how it is computed, ``auto`` (default), ``kernel`` or ``jnp``.
 - ``JAX_MLA_TRITON_LAUNCHER``: how Triton kernels reach XLA on GPUs, ``auto`` (default), ``ffi``,
-  ``ffi_capture`` (the FFI handler without its record stage) or ``jax_triton``.
+  ``ffi_record`` (the FFI handler with XLA's record stage on CUDA) or ``jax_triton``.
 - ``JAX_MLA_TRITON_PDL=1``: programmatic dependent launch of the Triton decode and reduce kernels
   on Hopper (off by default).
 - ``JAX_MLA_TRITON_FP8_F16=1``: an fp8 cache's products in float16 rather than bf16 (CUDA; off

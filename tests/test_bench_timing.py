@@ -426,9 +426,9 @@ def test_cmdbuf_captures_what_native_code_writes_to_stderr(capfd):
 
 
 def test_the_chain_stage_runs_each_launch_variant_with_xla_logging(monkeypatch, tmp_path):
-    """The session's ``cmdbuf_chains`` stage: one process per variant (the default stages, by
-    stream capture instead of the record stage, with the initialize stage, outside command
-    buffers), each with XLA's command-buffer and record log on and command buffers kept while
+    """The session's ``cmdbuf_chains`` stage: one process per variant (by stream capture, the
+    default; through the record stage; with the initialize stage; outside command buffers),
+    each with XLA's command-buffer and record log on and command buffers kept while
     the profiler runs."""
     from jax_mla.bench import cmdbuf, session
 
@@ -439,8 +439,8 @@ def test_the_chain_stage_runs_each_launch_variant_with_xla_logging(monkeypatch, 
                         lambda args, timeout, name, **env: calls.append((args, name, env)))
     session.stage_cmdbuf_chains(None)
     assert [name for _, name, _ in calls] == [f"cmdbuf_chains {v}" for v in (
-        "on", "capture", "init", "off")]
-    want = [("1", "0", None), ("1", "0", "ffi_capture"), ("1", "1", None), ("0", "0", None)]
+        "on", "record", "init", "off")]
+    want = [("1", "0", None), ("1", "0", "ffi_record"), ("1", "1", None), ("0", "0", None)]
     for (args, name, env), (cb, init, launcher) in zip(calls, want):
         assert args[:3] == ["-m", "jax_mla.bench.cmdbuf", "--chains"]
         assert args[3] == str(tmp_path / f"cmdbuf_chains_{name.split()[1]}.json")

@@ -165,13 +165,13 @@ def test_the_record_target_is_registered_only_where_it_can_be(monkeypatch, knob,
 
 
 @pytest.mark.parametrize("launcher,registered,name", [
-    ("ffi", True, "jax_mla_triton_record"), ("ffi", False, "jax_mla_triton"),
-    ("ffi_capture", True, "jax_mla_triton")])
+    ("ffi_record", True, "jax_mla_triton_record"), ("ffi_record", False, "jax_mla_triton"),
+    ("ffi", True, "jax_mla_triton")])
 def test_the_launchers_call_the_record_target_where_it_is_registered(monkeypatch, launcher,
                                                                      registered, name):
-    """``launcher="ffi"`` on CUDA lowers to the record target where it could be registered,
-    else to the plain one; ``ffi_capture`` always to the plain one (the A/B's other arm). Both
-    carry the same attributes."""
+    """``launcher="ffi_record"`` on CUDA lowers to the record target where it could be
+    registered, else to the plain one; ``ffi`` (the default) always to the plain one, whose
+    launch XLA captures. Both carry the same attributes."""
     kb = _binary()
     monkeypatch.setattr(ffi_launch, "compile_kernel", lambda *a, **k: kb)
     monkeypatch.setattr(ffi_launch, "preload", lambda *a, **k: None)
@@ -937,7 +937,7 @@ def make_q(x, w):
 
 qs = [np.asarray(jax.jit(make_q)(x, w), np.float32) for x in xs]
 out = dict(q=[q.tolist() for q in qs])
-for launcher in ("ffi", "ffi_capture"):
+for launcher in ("ffi_record", "ffi"):
     md = jax_mla.build_decode_metadata(c.block_table, c.seq_lens, page_size=64, q=xs[0].reshape(
         t, h, d), kv_cache=cache, backend="triton", tuning=TritonTuning(launcher=launcher))
     step = jax.jit(lambda x, w, k, md: jax_mla.mla_attention(make_q(x, w), k, md, scale=c.scale))
@@ -956,7 +956,7 @@ json.dump(out, open({path!r}, "w"))
 def test_recorded_launches_wait_for_their_inputs_and_match_captured_ones(tmp_path, rng):
     """On a CUDA GPU, in a fresh process with XLA's command-buffer log on: a decode step whose
     query comes from a slow XLA producer, run in one command buffer through the record stage
-    (``launcher="ffi"``) and through stream capture (``ffi_capture``), three times over four
+    (``launcher="ffi_record"``) and through stream capture (``ffi``), three times over four
     fresh inputs. XLA's log must show our launches recorded by the record stage (its
     ``FfiCreateLaunch`` lines, naming our kernels), every output must match the oracle on the
     query the producer made (a launch that did not wait for the producer reads another
@@ -997,8 +997,8 @@ def test_recorded_launches_wait_for_their_inputs_and_match_captured_ones(tmp_pat
         q = np.asarray(jnp.asarray(np.asarray(q, np.float32), jnp.bfloat16), np.float32)
         refs.append(mla_decode(q, cache, c.block_table, c.seq_lens, qlen=1, page_size=64,
                                scale=c.scale, kv_lora_rank=c.kv_lora_rank)[0])
-    for launcher in ("ffi", "ffi_capture"):
+    for launcher in ("ffi_record", "ffi"):
         for run, outs in enumerate(got[launcher]):
             for i, o in enumerate(outs):
                 assert rel_err(np.asarray(o, np.float64), refs[i]) < 1e-2, (launcher, run, i)
-    np.testing.assert_array_equal(np.asarray(got["ffi"]), np.asarray(got["ffi_capture"]))
+    np.testing.assert_array_equal(np.asarray(got["ffi_record"]), np.asarray(got["ffi"]))

@@ -29,8 +29,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   ``cmdbuf``: whether XLA captures them, read from its thunk dump and log, and the stream time
   with command buffers on, off and at any size (``jax_mla.bench.cmdbuf``); ``cmdbuf_chains``:
   wall, host enqueue and GPU span per call against the chain's length, and XLA's log of
-  command-buffer updates, with the default stages, by stream capture instead of the record
-  stage, with XLA's initialize stage too, and outside command buffers (:data:`CHAIN_VARIANTS`);
+  command-buffer updates, by stream capture (the default), through the record stage, with
+  XLA's initialize stage too, and outside command buffers (:data:`CHAIN_VARIANTS`);
 - ``planner``: a step's metadata on the GPU, and the planning kernel's knobs
   (``python -m jax_mla.bench.planner``);
 - ``launcher_tests``: the FFI launcher (``docs/launcher.md``): builds its library if this
@@ -43,7 +43,7 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``update_modes``: the FFI path's two timers under each command-buffer update mode the
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, the
-  FFI launcher by stream capture and by its record stage, with the planning kernel) at
+  FFI launcher by stream capture and through its record stage, with the planning kernel) at
   :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both timers, metadata, command
   buffers, into ``launcher_ab.json``.
 
@@ -76,12 +76,12 @@ AB_SHAPES = ("32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_VARIANTS = ("base", "general:affine_reduce=0", "line:split_plan=line", "no_l2:l2_hints=0")
 LAUNCHER_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "128,16,8192",
                    "32,16,32768", "128,128,4096", "64,16,4096,4", "64,16,4096,1,64,fp8")
-# jax-triton with XLA-op metadata (the path before the FFI launcher), the FFI launcher captured
-# into command buffers (before its record stage), and the defaults (the FFI launcher with its
-# record stage where the library has it, and the planning kernel).
+# jax-triton with XLA-op metadata (the path before the FFI launcher), the defaults since (the FFI
+# launcher, captured into command buffers, and the planning kernel), and the FFI launcher with
+# XLA's record stage (``launcher="ffi_record"``).
 LAUNCHER_VARIANTS = ("jax_triton:launcher=jax_triton,planner=jnp",
-                     "capture:launcher=ffi_capture,planner=kernel",
-                     "ffi:launcher=ffi,planner=kernel")
+                     "ffi:launcher=ffi,planner=kernel",
+                     "record:launcher=ffi_record,planner=kernel")
 
 
 def log(*a):
@@ -594,13 +594,13 @@ def stage_cmdbuf(_):
         json.dump(rows, f, indent=1)
 
 
-# The chain probe's variants: our launches in XLA's command buffers with the default stages
-# (execute, and record on CUDA where the library has it), by stream capture (no record stage),
-# with XLA's initialize stage registered too, and outside command buffers.
+# The chain probe's variants: our launches in XLA's command buffers by stream capture (the
+# default), through XLA's record stage (``launcher="ffi_record"``), with XLA's initialize stage
+# registered too, and outside command buffers.
 CHAIN_VARIANTS = {"on": dict(JAX_MLA_FFI_COMMAND_BUFFERS="1", JAX_MLA_FFI_INITIALIZE_STAGE="0"),
-                  "capture": dict(JAX_MLA_FFI_COMMAND_BUFFERS="1",
-                                  JAX_MLA_FFI_INITIALIZE_STAGE="0",
-                                  JAX_MLA_TRITON_LAUNCHER="ffi_capture"),
+                  "record": dict(JAX_MLA_FFI_COMMAND_BUFFERS="1",
+                                 JAX_MLA_FFI_INITIALIZE_STAGE="0",
+                                 JAX_MLA_TRITON_LAUNCHER="ffi_record"),
                   "init": dict(JAX_MLA_FFI_COMMAND_BUFFERS="1", JAX_MLA_FFI_INITIALIZE_STAGE="1"),
                   "off": dict(JAX_MLA_FFI_COMMAND_BUFFERS="0", JAX_MLA_FFI_INITIALIZE_STAGE="0")}
 

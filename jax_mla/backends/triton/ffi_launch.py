@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 
 TARGET_NAME = "jax_mla_triton"  # the custom call on CUDA and ROCm (registered through jax)
 # CUDA: the same handler with XLA's record stage, registered through XLA's FFI API by the
-# bootstrap target (:func:`register_record_target`); ``launcher="ffi"`` calls it where it is
-# registered, ``launcher="ffi_capture"`` always calls :data:`TARGET_NAME`.
+# bootstrap target (:func:`register_record_target`); ``launcher="ffi_record"`` calls it where it
+# is registered (opt-in: on an H100 it changed no stream time, ``docs/launcher.md``),
+# ``launcher="ffi"`` calls :data:`TARGET_NAME`, whose launch XLA captures.
 RECORD_TARGET_NAME = "jax_mla_triton_record"
 BOOTSTRAP_TARGET_NAME = "jax_mla_triton_bootstrap"
 PACK_TARGET_NAME = "jax_mla_triton_pack"  # the CPU twin that reports the argument packing
@@ -614,7 +615,7 @@ def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
 
 
 def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_aliases=None,
-           num_warps=4, num_stages=2, compile_options=None, record: bool = True, **constexprs):
+           num_warps=4, num_stages=2, compile_options=None, record: bool = False, **constexprs):
     """``kernel[grid](*arrays, *outs, **constexprs)`` as one FFI custom call; the outputs.
     ``compile_options``: further options of Triton's compile (``compile_kernel``); ``record``:
     on CUDA, the target with XLA's record stage where it can be registered

@@ -28,7 +28,7 @@ from jax_mla import env
 from jax_mla.backends.triton import compiler, ffi_launch
 from jax_mla.problem import GPU_PLATFORMS, Target, as_target
 
-LAUNCHERS = ("auto", "ffi", "ffi_capture", "jax_triton")
+LAUNCHERS = ("auto", "ffi", "ffi_record", "jax_triton")
 
 # Triton's interpreter patches module globals while it runs a kernel, and a first ``import torch``
 # is not thread safe either: on a multi-device CPU mesh (DCP tests) XLA runs one callback per
@@ -117,11 +117,11 @@ def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
     launcher = resolve_launcher(target, launcher)
     out_shapes = tuple(out_shapes)
     aliases = dict(input_output_aliases or {})
-    if launcher in ("ffi", "ffi_capture"):
+    if launcher in ("ffi", "ffi_record"):
         return ffi_launch.launch(kernel, args, grid=grid, out_shapes=out_shapes, target=target,
                                  input_output_aliases=aliases, num_warps=num_warps,
                                  num_stages=num_stages, compile_options=compile_options,
-                                 record=launcher == "ffi", **constexprs)
+                                 record=launcher == "ffi_record", **constexprs)
     if launcher == "jax_triton":
         if not _jax_triton_installed():
             raise RuntimeError("launcher='jax_triton' needs jax-triton (pip install "

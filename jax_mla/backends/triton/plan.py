@@ -160,39 +160,37 @@ class TritonTuning:
     and column block; ``split_plan``: ``auto``, ``line`` or ``even``; ``planner``: how the split
     schedule is computed, ``kernel`` (one Triton program, ``kernels/triton/plan.py``), ``jnp``
     (XLA ops) or ``auto`` (the kernel on GPUs, jnp on CPU, where the interpreter would be slower
-    than XLA); both give the same arrays, bit for bit. ``launcher``: how kernels reach XLA on
-    GPUs, ``ffi`` (jax_mla's own FFI handler; in a CUDA command buffer XLA records its launch
-    through the handler's record stage), ``ffi_capture`` (the same handler without the record
-    stage: XLA captures its launch, for the A/B), ``jax_triton`` or ``auto``
-    (``launch.resolve_launcher``). ``pdl``: programmatic dependent launch of the Triton decode
-    and reduce kernels on Hopper (each may be launched while the kernel before it finishes, and
-    waits for it before touching memory; off: on the H200 it changed neither GPU nor stream time
-    beyond noise). ``fp8_f16``: an fp8 cache's products in float16 on CUDA (and the
-    interpreter): the cache converts to float16 in one instruction a pair, to bf16 in about
-    four; bf16 query rows are scaled by a power of two each to fit float16 exactly
-    (``kernels/triton/decode.py``, ``_to_f16_rows``). Off: on the H200 it was slower than bf16
-    products at three programs an SM, which float16 products do not fit. ``fp8_qk``: an fp8
-    query against an fp8 cache in fp8 products on CUDA (and the interpreter): the scores are
-    exact products of the stored values, nothing of the cache converted for them; the values go
-    to float16 for ``P @ V``. On by default; off: the query is dequantised to bf16 first (an XLA
-    kernel before the decode kernel, and bf16 products), as before. ``fp8_convert_once``: on
-    CUDA an fp8 cache's tile is converted to 16 bits once, in the layout it was loaded in, and
-    reaches both products through shared memory (``CVT_ONCE`` in ``kernels/triton/decode.py``);
-    off: Triton's own placement (converted per operand, the ``V`` operand read a byte at a
-    time). On by default. ``pow2_head_blocks``: split heads take a power of two a block where
-    that needs no more blocks (:func:`pow2_heads_per_block`); off: as many as the rows allow. On
-    by default. ``sm90_fp8``: an fp8 query against an fp8 cache on Hopper through the Gluon
-    two-warpgroup kernel (``kernels/gluon/decode_sm90_fp8.py``: fp8 wgmma scores, ``V`` in
-    float16) where the 64-row tile serves it; off: the Triton 64-row tile. On by default (on
-    an H100, 2026-12-05: 1.32-1.45x faster than the Triton tile at four shapes).
-    ``sm90_split_q``: a 16-bit query against an fp8 cache through the same Gluon kernel, the
-    query split by XLA into two e4m3 parts and a power-of-two scale a row
-    (``decode.split_query_e4m3``: exact for a bf16 query but for elements under ``2^-8`` of
-    their row's largest), so the scores are fp8 products too; off: the Triton tiles (bf16
-    products of the converted tile). None (the default): on where the installed Triton is one
-    under which the kernel compiles without spills (:data:`SPLIT_Q_TRITON`, 3.6: on an H100,
-    2026-12-06, it met the oracle and took 0.66-0.76x the Triton tiles' stream time at five
-    shapes); under other Tritons only in place of the Triton 64-row tile (triton 3.9 spills
+    than XLA); both give the same arrays, bit for bit. ``launcher``: how kernels reach XLA on GPUs,
+    ``ffi`` (jax_mla's own FFI handler; a CUDA command buffer captures its launch), ``ffi_record``
+    (the same handler with XLA's record stage on CUDA, which puts its launch in the command buffer
+    as a kernel node: opt-in, it changed no stream time on an H100), ``jax_triton`` or ``auto``
+    (``launch.resolve_launcher``). ``pdl``: programmatic dependent launch of the Triton decode and
+    reduce kernels on Hopper (each may be launched while the kernel before it finishes, and waits
+    for it before touching memory; off: on the H200 it changed neither GPU nor stream time beyond
+    noise). ``fp8_f16``: an fp8 cache's products in float16 on CUDA (and the interpreter): the cache
+    converts to float16 in one instruction a pair, to bf16 in about four; bf16 query rows are scaled
+    by a power of two each to fit float16 exactly (``kernels/triton/decode.py``, ``_to_f16_rows``).
+    Off: on the H200 it was slower than bf16 products at three programs an SM, which float16
+    products do not fit. ``fp8_qk``: an fp8 query against an fp8 cache in fp8 products on CUDA (and
+    the interpreter): the scores are exact products of the stored values, nothing of the cache
+    converted for them; the values go to float16 for ``P @ V``. On by default; off: the query is
+    dequantised to bf16 first (an XLA kernel before the decode kernel, and bf16 products), as
+    before. ``fp8_convert_once``: on CUDA an fp8 cache's tile is converted to 16 bits once, in the
+    layout it was loaded in, and reaches both products through shared memory (``CVT_ONCE`` in
+    ``kernels/triton/decode.py``); off: Triton's own placement (converted per operand, the ``V``
+    operand read a byte at a time). On by default. ``pow2_head_blocks``: split heads take a power of
+    two a block where that needs no more blocks (:func:`pow2_heads_per_block`); off: as many as the
+    rows allow. On by default. ``sm90_fp8``: an fp8 query against an fp8 cache on Hopper through the
+    Gluon two-warpgroup kernel (``kernels/gluon/decode_sm90_fp8.py``: fp8 wgmma scores, ``V`` in
+    float16) where the 64-row tile serves it; off: the Triton 64-row tile. On by default (on an
+    H100, 2026-12-05: 1.32-1.45x faster than the Triton tile at four shapes). ``sm90_split_q``: a
+    16-bit query against an fp8 cache through the same Gluon kernel, the query split by XLA into two
+    e4m3 parts and a power-of-two scale a row (``decode.split_query_e4m3``: exact for a bf16 query
+    but for elements under ``2^-8`` of their row's largest), so the scores are fp8 products too;
+    off: the Triton tiles (bf16 products of the converted tile). None (the default): on where the
+    installed Triton is one under which the kernel compiles without spills (:data:`SPLIT_Q_TRITON`,
+    3.6: on an H100, 2026-12-06, it met the oracle and took 0.66-0.76x the Triton tiles' stream time
+    at five shapes); under other Tritons only in place of the Triton 64-row tile (triton 3.9 spills
     both, the 64-row tile inside its KV loop, the split kernel outside its loops); True / False
     force it.
     """
