@@ -69,12 +69,12 @@ def test_the_doctor_says_how_the_launcher_is_registered(monkeypatch):
     [row] = [r for r in doctor._launcher_checks(detect_target()) if r["check"] == "FFI launcher"]
     assert row["detail"].count("execute stage only") == 1, row
     assert "command-buffer compatible, kernels load when traced" in row["detail"], row
-    # Before the first CUDA step is traced: whether the library has the record stage; after,
-    # whether its target was registered, and why not.
+    # Before a CUDA step is traced with launcher="ffi_record": whether the library has the
+    # record stage; after, whether its target was registered, and why not.
     for tried, record, words in (
-            ([], True, "record stage on CUDA when the first step is traced"),
+            ([], True, "record stage built (used by launcher='ffi_record')"),
             ([], False, "no record stage (FFI headers older than jaxlib 0.11)"),
-            ([None], True, "record stage on CUDA (jax_mla_triton_record)"),
+            ([None], True, "record stage registered on CUDA (jax_mla_triton_record)"),
             (["no CUDA device in this process"], True, "no record stage (no CUDA device")):
         monkeypatch.setattr(ffi_launch, "record_available", lambda record=record: record)
         monkeypatch.setattr(ffi_launch, "_record_reason", tried)

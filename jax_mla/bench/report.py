@@ -9,7 +9,8 @@ session on an earlier tree, for a before/after table), ``kernels.json`` and ``ke
 ``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_fp8_head_blocks.json``, ``ab_sm90_fp8.json``,
 ``ab_pdl.json``, ``ab_split_q.json``, ``ab_split_q_more.json``, ``split_probe.json``,
 ``update_mode_*.json`` (the FFI path under each XLA command-buffer update mode, a process each),
-``stream_execute.json``, ``stream_initialize.json``, ``cmdbuf.json``, ``cmdbuf_chains*.json``,
+``stream_execute.json``, ``stream_initialize.json``, ``record_ab.json``, ``cmdbuf.json``,
+``cmdbuf_chains*.json``,
 ``launcher_ab.json``, ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json``
 (the GPU test summary), and ``tried.md`` (what was measured and kept or dropped, in words), and
 writes ``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
@@ -178,6 +179,8 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
              "(`tile`), bf16 beside (same run)"),
             ("ab_split_q_more.json", "The same at more shapes, stream time only (`sq64`: "
              "64-row tiles at every head count; another run)"),
+            ("record_ab.json", "Our launches captured into command buffers (`ffi`, the default) "
+             "or recorded through XLA's record stage (`record`) (same run)"),
             ("stream_execute.json", "Stream time, XLA's execute stage only (one process)"),
             ("stream_initialize.json",
              "Stream time, XLA's initialize stage registered too (another process)"))
@@ -216,20 +219,25 @@ def cmdbuf_table(rows) -> str:
 
 def _inside(row) -> str:
     """Whether a chain row's launches ran in command buffers: yes, no, or - (not recorded);
+    ``recorded`` where they went in through XLA's record stage (``launcher="ffi_record"``),
     ``+ init`` where XLA's initialize stage was registered too."""
     inside = row.get("ffi_command_buffers")
     mode = "-" if inside is None else ("yes" if inside else "no")
+    if inside and row.get("launcher") == "ffi_record":
+        mode += ", recorded"
     return mode + (" + init" if row.get("ffi_initialize_stage") else "")
 
 
 def _updates(row) -> str:
     """XLA's command-buffer log of a chain row's timed runs: updates before a replay (first
-    records), the most executions between updates, our calls recorded by stream capture."""
+    records), the most executions between updates, our calls recorded by stream capture and
+    launches created through the record stage."""
     u = row.get("updates")
     if not u or not (u.get("executions") or u.get("updates") or u.get("first_records")):
-        return "- | - | -"
+        return "- | - | - | - | -"
     return (f"{u.get('updates', 0)} ({u.get('first_records', 0)}) | "
-            f"{_f(u.get('executions_since_update_max'), 0)} | {u.get('stream_captures', 0)}")
+            f"{_f(u.get('executions_since_update_max'), 0)} | {u.get('stream_captures', 0)} | "
+            f"{u.get('ffi_records', 0)} | {_f(u.get('update_us_mean'), 0)}")
 
 
 def chains_table(rows) -> str:
@@ -240,8 +248,9 @@ def chains_table(rows) -> str:
     of command-buffer updates while the chain was timed."""
     out = ["| shape | our calls in command buffers | calls chained | wall µs a call | "
            "enqueue µs a call | GPU span µs a call | wall - span | XLA updates (first records) "
-           "| most runs between updates | calls stream-captured |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| most runs between updates | calls stream-captured | launches recorded | µs an "
+           "update (log on) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         span = r.get("span_us")
         out.append(f"| {r['shape']} | {_inside(r)} | {r['n']} | {_f(r['wall_us'])} | "
@@ -344,7 +353,8 @@ def report(folder: str) -> str:
                   "`jax_triton`: jax-triton's custom call with the split plan in XLA ops (the "
                   "path before the FFI launcher); `ffi_jnp` (older runs): our FFI handler, same "
                   "metadata; `ffi`: our FFI handler and the planning kernel (the defaults); "
-                  "`flashmla`: "
+                  "`ffi_again`: the same again (an A/A: the run's noise); `record`: the FFI "
+                  "handler through XLA's record stage (`launcher=\"ffi_record\"`); `flashmla`: "
                   "FlashMLA on the first variant's buffers (stream time: one CUDA graph).", "",
                   launcher_table(la), ""]
     pl = _load(folder, "planner.json")
@@ -374,7 +384,8 @@ def report(folder: str) -> str:
         parts += ["## Command buffers around the chain (one process per XLA flag set)", "",
                   cmdbuf_table(cb), ""]
     chains = [r for f in ("cmdbuf_chains.json", "cmdbuf_chains_on.json",
-                          "cmdbuf_chains_init.json", "cmdbuf_chains_off.json")
+                          "cmdbuf_chains_record.json", "cmdbuf_chains_init.json",
+                          "cmdbuf_chains_off.json")
               for r in (_load(folder, f) or [])]
     if chains:
         parts += ["## Where a chained call's wall time goes, by chain length", "",

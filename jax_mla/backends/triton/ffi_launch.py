@@ -227,11 +227,11 @@ def launch_mode() -> str:
     stages = ("initialize + execute stages" if env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
               else "execute stage only")
     if _record_reason:
-        stages += (f", record stage on CUDA ({RECORD_TARGET_NAME})" if _record_reason[0] is None
-                   else f", no record stage ({_record_reason[0]})")
+        stages += (f", record stage registered on CUDA ({RECORD_TARGET_NAME})"
+                   if _record_reason[0] is None else f", no record stage ({_record_reason[0]})")
     else:
         try:
-            stages += (", record stage on CUDA when the first step is traced"
+            stages += (", record stage built (used by launcher='ffi_record')"
                        if record_available()
                        else ", no record stage (FFI headers older than jaxlib 0.11)")
         except (RuntimeError, OSError):
