@@ -392,7 +392,8 @@ def test_sm90_split_query_kernel_meets_the_oracle(rng, monkeypatch, num_heads, q
     XLA into two e4m3 parts and a power-of-two scale a row
     (``JAX_MLA_TRITON_SM90_SPLIT_Q``, forced on), on the long ragged requests of the fp8 case
     above, with a cache scale and rows of very different magnitudes (one head's query 2^-12 of
-    the others): against the oracle, LSE included, and against the Triton tiles (forced off).
+    the others): against the oracle, LSE included, and against the Triton tiles (forced off);
+    with the split made by the Triton split kernel, bit for bit the same answer.
     Hopper only (Gluon has no interpreter; the compile is checked on CPU in
     ``test_gluon_sm90.py``). First passed on an H100 on 2026-12-06 (triton 3.6)."""
     case, seen = _gluon_fp8_case(rng, monkeypatch, num_heads, qlen, page_size)
@@ -408,6 +409,14 @@ def test_sm90_split_query_kernel_meets_the_oracle(rng, monkeypatch, num_heads, q
         outs[flag] = (np.asarray(out, np.float32), np.asarray(lse))
     assert seen == [True], seen  # the Gluon fp8 kernel, then the Triton tile
     _check_gluon_against_tile(outs)
+    # The split made by one Triton kernel (``JAX_MLA_TRITON_SPLIT_Q_KERNEL``): the same parts,
+    # so the same answer, bit for bit.
+    monkeypatch.setenv("JAX_MLA_TRITON_SM90_SPLIT_Q", "1")
+    monkeypatch.setenv("JAX_MLA_TRITON_SPLIT_Q_KERNEL", "1")
+    out, lse, _, _ = run(case, "triton", jnp.dtype(q_dtype), kv_dtype=jnp.dtype(kv_dtype),
+                         kv_scale=0.05)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), outs["1"][0])
+    np.testing.assert_array_equal(np.asarray(lse), outs["1"][1])
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")

@@ -163,6 +163,122 @@ def test_split_query_e4m3_is_exact_to_its_bound(rng):
     assert not re.search(r"convert .*f8E4M3FN>\) -> tensor<[^>]*xf32>", text), text
 
 
+def _split_rows(rng, dtype, t=5, h=7, d=576):
+    """Query rows for the split: normal rows of very different sizes, a zero row, a row of tiny
+    values (under e4m3's normal range once scaled), values at rounding ties and at the flush
+    boundary (both signs), and a row holding an infinity and one holding a NaN."""
+    import jax.numpy as jnp
+
+    x = rng.standard_normal((t, h, d)).astype(np.float32) * 3.0
+    x[0, 1] *= 2.0 ** -12
+    x[1, 2] *= 2.0 ** 9
+    x[2, 3] = 0.0
+    x[2, 4] = rng.standard_normal(d) * 2.0 ** -20
+    x[2, 4, 0] = 1.0
+    # Scaled by 2^6 (the row's max is 1.0 -> 64): 1.0625 * 2^-6 / 64 sits on a tie of e4m3's
+    # mantissa, 0.99 * 2^-6 / 64 rounds up to its smallest normal, 0.9 * 2^-6 / 64 is flushed
+    # (its sign kept), 1.0 * 2^-6 / 64 is that normal.
+    x[2, 5, :] = rng.standard_normal(d) * 2.0 ** -8
+    x[2, 5, 0] = 1.0
+    x[2, 5, 1:9] = np.array([1.0625, -1.0625, 0.99, -0.99, 0.9, -0.9, 1.0, 1.1875]) * 2.0 ** -12
+    x[3, 4, 5] = np.inf
+    x[3, 5, 7] = np.nan
+    x[4, 6] = -np.abs(x[4, 6])
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("lead", [1, 2])
+def test_the_split_kernel_gives_the_xla_split_bit_for_bit(rng, dtype, lead):
+    """``decode.split_query_kernel`` (one Triton kernel, run here by the interpreter): the parts
+    of every finite row equal ``split_query_e4m3``'s bit for bit (signed zeros included), the
+    scales follow the leading ones unchanged, and a row holding an infinity or a NaN gets the
+    scale NaN. 35 rows: the last program holds three rows and one masked one."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_mla.backends.triton.decode import split_query_e4m3, split_query_kernel
+
+    q = _split_rows(rng, getattr(jnp, dtype))
+    first = jnp.asarray(rng.uniform(0.5, 2.0, lead), jnp.float32)
+    parts, scales = jax.jit(lambda q, f: split_query_kernel(q, f, target="cpu",
+                                                            launcher=None))(q, first)
+    want_parts, want_s = jax.jit(split_query_e4m3)(q)
+    assert parts.dtype == jnp.float8_e4m3fn and parts.shape == want_parts.shape
+    assert scales.shape == (lead + 35,) and scales.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(scales[:lead]), np.asarray(first))
+    got_s, want_s = np.asarray(scales[lead:]), np.asarray(want_s)
+    bad = ~np.isfinite(np.asarray(q, np.float32)).all(-1).reshape(-1)
+    assert bad.sum() == 2 and np.isnan(got_s[bad]).all()
+    np.testing.assert_array_equal(got_s[~bad], want_s[~bad])
+    bits = np.asarray(parts).view(np.uint8).reshape(35, -1)
+    want_bits = np.asarray(want_parts).view(np.uint8).reshape(35, -1)
+    np.testing.assert_array_equal(bits[~bad], want_bits[~bad])
+    # The edge row's low parts are not all zeros, and its flushed values kept their sign.
+    row = 2 * 7 + 5
+    assert (bits[row, 576:] != 0).mean() > 0.3
+    assert list(bits[row, 1:9]) == [0x08, 0x88, 0x08, 0x88, 0x00, 0x80, 0x08, 0x0A], bits[row]
+
+
+def test_the_split_kernel_is_chosen_by_its_knob(monkeypatch):
+    """``TritonTuning.split_q_kernel`` (``JAX_MLA_TRITON_SPLIT_Q_KERNEL``) is off by default and
+    read from the environment."""
+    from jax_mla.backends.triton.plan import TritonTuning
+
+    monkeypatch.delenv("JAX_MLA_TRITON_SPLIT_Q_KERNEL", raising=False)
+    assert not TritonTuning().split_q_kernel and not TritonTuning.from_env().split_q_kernel
+    monkeypatch.setenv("JAX_MLA_TRITON_SPLIT_Q_KERNEL", "1")
+    assert TritonTuning.from_env().split_q_kernel
+
+
+SPLIT_KERNEL_SCRIPT = r"""
+import json
+import jax.numpy as jnp
+from jax_mla.backends.triton import compiler, ffi_launch
+from jax_mla.kernels.triton import split_query
+from jax_mla.problem import Target
+out = {}
+for rows in (16 * 4, 128 * 128):
+    cfg = split_query.launch_config(rows, 576)
+    cfg.pop("grid")
+    for dtype in ("bfloat16", "float16"):
+        kb = ffi_launch.compile_kernel(split_query.mla_split_query_e4m3_kernel,
+                                       [jnp.dtype(dtype), jnp.float32, jnp.float8_e4m3fn,
+                                        jnp.float32], dict(cfg, N_LEAD=1),
+                                       Target("cuda", "sm_90", 132), num_warps=4, num_stages=1)
+        out[f"{rows}/{dtype}"] = dict(shared=kb.shared, threads=kb.threads, cubin=len(kb.binary))
+from triton.compiler.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+import triton
+src = ASTSource(split_query.mla_split_query_e4m3_kernel,
+                {"q_ptr": "*bf16", "lead_ptr": "*fp32", "parts_ptr": "*fp8e4nv",
+                 "scales_ptr": "*fp32", "ROWS": "constexpr", "D": "constexpr",
+                 "BLOCK_D": "constexpr", "ROWS_PER_PROGRAM": "constexpr", "N_LEAD": "constexpr"},
+                constexprs={"ROWS": 16384, "D": 576, "BLOCK_D": 1024, "ROWS_PER_PROGRAM": 4,
+                            "N_LEAD": 1})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
+                                                                         num_stages=1))
+stats = compiler.ptxas_stats(k.asm["ptx"], GPUTarget("cuda", 90, 32))
+ptx = k.asm["ptx"]
+out["ptxas"] = stats
+out["cvt_e4m3"] = ptx.count("e4m3x2")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
+def test_the_split_kernel_compiles_for_sm90_without_spills():
+    """The split kernel compiles for sm_90 through the FFI launcher's compile (both query
+    dtypes, a small and a large row count), with no shared memory to speak of, no spills
+    under this Triton's ptxas, and hardware fp8 conversions."""
+    r = run_compiler_script(SPLIT_KERNEL_SCRIPT, timeout=600)
+    for key in ("64/bfloat16", "64/float16", "16384/bfloat16", "16384/float16"):
+        assert r[key]["threads"] == 128 and r[key]["cubin"] > 0, r
+    stats = r["ptxas"]
+    assert stats["spills"] == 0 and stats["scratch"] == 0 and stats["registers"] <= 128, stats
+    assert r["cvt_e4m3"] > 0, r
+
+
 @pytest.mark.skipif(not has_triton_cuda_backend(), reason="triton without its NVIDIA backend")
 def test_sm90_split_query_kernel_compiles_to_its_design():
     """The fp8 kernel with a 16-bit query (``SPLIT_Q``): the query's two e4m3 parts doubled in

@@ -395,7 +395,8 @@ def stage_sm90_fp8(_):
 # the installed Triton compiles it without spills); the bf16 shapes first, so that a run cut
 # short still has the comparison the fp8 targets are stated against.
 SPLIT_Q_AB = ("ab_split_q.json",
-              ("tile:sm90_split_q=0", "sq:sm90_split_q=1"),
+              ("tile:sm90_split_q=0", "sq:sm90_split_q=1",
+               "sqk:sm90_split_q=1,split_q_kernel=1"),
               ("64,16,4096", "128,128,4096", "128,128,4096,1,64,fp8", "64,16,4096,1,64,fp8",
                "32,128,4096,3,64,fp8", "64,16,4096,4,64,fp8", "128,16,8192,1,64,fp8"))
 

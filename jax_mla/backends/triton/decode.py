@@ -103,6 +103,28 @@ def split_query_e4m3(q):
     return parts.reshape(t, h, 2 * d), s.reshape(-1)
 
 
+def split_query_kernel(q, lead, *, target, launcher):
+    """:func:`split_query_e4m3` in one Triton kernel (``kernels/triton/split_query.py``), the
+    same parts bit for bit wherever a row is finite, with the rows' scales written after
+    ``lead`` (the kernel's leading scales, ``[kv_scale]``): ``(parts [T, H, 2 D] float8_e4m3fn,
+    scales [len(lead) + T * H] float32)``."""
+    from jax_mla.kernels.triton import split_query
+
+    t, h, d = q.shape
+    rows, n_lead = t * h, lead.shape[0]
+    if n_lead not in (1, 2):
+        raise ValueError(f"split_query_kernel: {n_lead} leading scales (1 or 2)")
+    cfg = split_query.launch_config(rows, d)
+    grid = cfg.pop("grid")
+    parts, scales = triton_call(
+        split_query.mla_split_query_e4m3_kernel, q.reshape(rows, d),
+        lead.astype(jnp.float32), grid=grid,
+        out_shapes=[jax.ShapeDtypeStruct((rows, 2 * d), jnp.float8_e4m3fn),
+                    jax.ShapeDtypeStruct((n_lead + rows,), jnp.float32)],
+        target=target, launcher=launcher, num_warps=4, num_stages=1, N_LEAD=n_lead, **cfg)
+    return parts.reshape(t, h, 2 * d), scales
+
+
 def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale):
     """``q [T, H, D]`` -> ``(out [T, H, L] in q's dtype (bf16 for fp8 q), lse [T, H] float32)``."""
     cfg = plan.kernel
@@ -139,8 +161,11 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
         if fp8_cache:
             split = not is_fp8(q.dtype)
             if split:  # the parts in place of the query, the rows' scales after kv_scale
-                q, row_scales = split_query_e4m3(q)
-                scales = jnp.concatenate([scales, row_scales])
+                if plan.tuning is not None and plan.tuning.split_q_kernel:
+                    q, scales = split_query_kernel(q, scales, target=target, launcher=launcher)
+                else:
+                    q, row_scales = split_query_e4m3(q)
+                    scales = jnp.concatenate([scales, row_scales])
             consts |= dict(HAS_KV_SCALE=has_scale, HAS_Q_SCALE=fp8_qk and q_scale is not None,
                            SPLIT_Q=split)
             consts.setdefault("SPLIT_ACC", False)  # (True only in ``bench.split_probe``)

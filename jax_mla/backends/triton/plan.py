@@ -192,7 +192,9 @@ class TritonTuning:
     3.6: on an H100, 2026-12-06, it met the oracle and took 0.66-0.76x the Triton tiles' stream time
     at five shapes); under other Tritons only in place of the Triton 64-row tile (triton 3.9 spills
     both, the 64-row tile inside its KV loop, the split kernel outside its loops); True / False
-    force it.
+    force it. ``split_q_kernel``: that split made by one Triton kernel
+    (``kernels/triton/split_query.py``, the same values) instead of XLA ops, which took four
+    kernels and 49.6 µs at B128 H128 on an H100; off by default until it is timed on a GPU.
     """
 
     block_n: int | None = None
@@ -217,6 +219,7 @@ class TritonTuning:
     pow2_head_blocks: bool = True
     sm90_fp8: bool = True
     sm90_split_q: bool | None = None
+    split_q_kernel: bool = False
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -252,6 +255,7 @@ class TritonTuning:
             pow2_head_blocks=env.read_flag("JAX_MLA_TRITON_POW2_HEAD_BLOCKS", True),
             sm90_fp8=env.read_flag("JAX_MLA_TRITON_SM90_FP8", True),
             sm90_split_q=env.read_flag("JAX_MLA_TRITON_SM90_SPLIT_Q", None),
+            split_q_kernel=env.read_flag("JAX_MLA_TRITON_SPLIT_Q_KERNEL", False),
         )
 
     @property
