@@ -451,3 +451,25 @@ def test_the_chain_stage_runs_each_launch_variant_with_xla_logging(monkeypatch, 
             "TF_CPP_VMODULE"] and "record_ffi=3" in env["TF_CPP_VMODULE"]
         assert env["XLA_FLAGS"] == "--xla_enable_command_buffers_during_profiling=true"
         assert env["JAX_MLA_FFI_LIBRARY"] == "/lib/ours.so"
+
+
+def test_the_record_stage_times_captured_against_recorded_launches(monkeypatch, tmp_path):
+    """The session's ``record`` stage: one ``bench.ab`` process, the captured default against
+    ``launcher="ffi_record"``, into ``record_ab.json``; shapes after ``--`` replace its own.
+    The variants parse to those launchers."""
+    from jax_mla.bench import ab, session
+
+    calls = []
+    monkeypatch.setattr(session, "OUT", str(tmp_path))
+    monkeypatch.setattr(session, "_ffi_library", lambda: "/lib/ours.so")
+    monkeypatch.setattr(session, "_python",
+                        lambda args, timeout, name, **env: calls.append((args, env)))
+    session.stage_record([])
+    session.stage_record(["2,16,1024"])
+    (first, env), (second, _) = calls
+    assert first[:3] == ["-m", "jax_mla.bench.ab", str(tmp_path / "record_ab.json")]
+    variants = first[3:first.index("--")]
+    assert [ab.parse_variant(v)[1].launcher for v in variants] == ["ffi", "ffi_record"]
+    assert first[first.index("--") + 1:-1] == list(session.RECORD_AB[2])
+    assert first[-1] == "--no-peers" and env["JAX_MLA_FFI_LIBRARY"] == "/lib/ours.so"
+    assert second[second.index("--") + 1:] == ["2,16,1024", "--no-peers"]

@@ -42,10 +42,10 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   the same kernel on made query parts whose answers are known (``jax_mla.bench.split_probe``).
 - ``update_modes``: the FFI path's two timers under each command-buffer update mode the
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
-- ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, the
-  FFI launcher by stream capture and through its record stage, with the planning kernel) at
-  :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both timers, metadata, command
-  buffers, into ``launcher_ab.json``.
+- ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
+  with the planning kernel) at :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both
+  timers, metadata, command buffers, into ``launcher_ab.json``; ``record``: our launches
+  captured or recorded through XLA's record stage (:data:`RECORD_AB`, ``record_ab.json``).
 
 Where FlashMLA's reduced tree was carried (:data:`PEERS`), it is built in the background at the
 start and the ``bench`` and ``launcher`` stages time it beside ours.
@@ -76,12 +76,14 @@ AB_SHAPES = ("32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_VARIANTS = ("base", "general:affine_reduce=0", "line:split_plan=line", "no_l2:l2_hints=0")
 LAUNCHER_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "128,16,8192",
                    "32,16,32768", "128,128,4096", "64,16,4096,4", "64,16,4096,1,64,fp8")
-# jax-triton with XLA-op metadata (the path before the FFI launcher), the defaults since (the FFI
-# launcher, captured into command buffers, and the planning kernel), and the FFI launcher with
-# XLA's record stage (``launcher="ffi_record"``).
+# jax-triton with XLA-op metadata (the path before the FFI launcher), and the defaults since (the
+# FFI launcher, captured into command buffers, and the planning kernel).
 LAUNCHER_VARIANTS = ("jax_triton:launcher=jax_triton,planner=jnp",
-                     "ffi:launcher=ffi,planner=kernel",
-                     "record:launcher=ffi_record,planner=kernel")
+                     "ffi:launcher=ffi,planner=kernel")
+# Our launches captured into command buffers (the default) or recorded through XLA's record
+# stage (``launcher="ffi_record"``), both timers, no peers.
+RECORD_AB = ("record_ab.json", ("ffi:launcher=ffi", "record:launcher=ffi_record"),
+             ("1,16,1024", "8,16,4096", "32,16,4096", "128,128,4096"))
 
 
 def log(*a):
@@ -459,6 +461,13 @@ def stage_conformance_ffi(_):
     # The defaults on a GPU: the FFI launcher and the planning kernel.
     _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
              "triton"], 420, "conformance through the FFI launcher",
+            JAX_MLA_FFI_LIBRARY=_ffi_library())
+
+
+def stage_record(shapes):
+    name, variants, default_shapes = RECORD_AB
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--",
+             *(shapes or default_shapes), "--no-peers"], 300, "record ab",
             JAX_MLA_FFI_LIBRARY=_ffi_library())
 
 
