@@ -26,7 +26,9 @@
 // the calls a capture otherwise refuses, and the function is loaded eagerly (cuFuncLoad, where
 // the driver has it) so that no lazy load is left for the captured launch. The initialize
 // stage stays exported (``JaxMlaTritonInitialize*``) for the A/B knob
-// JAX_MLA_FFI_INITIALIZE_STAGE=1.
+// JAX_MLA_FFI_INITIALIZE_STAGE=1. Where jaxlib's headers have XLA's record API (0.11+), a record
+// stage for CUDA is built too, with the bootstrap that registers it (see Record and
+// JaxMlaTritonBootstrapCuda below; launcher="ffi_record").
 
 #include <dlfcn.h>
 

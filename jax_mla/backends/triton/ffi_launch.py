@@ -15,7 +15,9 @@ How a kernel becomes a custom call (``docs/launcher.md`` has the whole story):
    :func:`register`) finds the module loaded once per device (when the launch was traced,
    :func:`preload`, else it loads it at the first call) and launches it on XLA's stream with
    ``cuLaunchKernel`` / ``hipModuleLaunchKernel``. The handler is marked command-buffer
-   compatible, so XLA may capture it in a CUDA graph.
+   compatible, so XLA may capture it in a CUDA graph. With ``launcher="ffi_record"`` on CUDA
+   the call goes to :data:`RECORD_TARGET_NAME`, whose record stage hands XLA the launch itself
+   (:func:`register_record_target`).
 
 The kernel's parameters are its operands, then its results, then the hidden ones (null); an
 output aliased to an input reuses its buffer and still appears twice (jax-triton's convention,
