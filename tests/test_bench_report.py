@@ -53,23 +53,30 @@ def test_chain_length_section(tmp_path):
     whose rows do not say where our calls ran) give one table, wall minus span per row."""
     rng = np.random.default_rng()
 
-    def row(n, inside=None, init=False):
+    def row(n, inside=None, init=False, launcher=None):
         r = {"shape": "1,16,1024", "n": n, "wall_us": float(rng.uniform(20, 40)),
              "enqueue_us": float(rng.uniform(5, 20)), "span_us": float(rng.uniform(10, 15))}
         if inside is not None:
             r["ffi_command_buffers"] = inside
             r["ffi_initialize_stage"] = init
+        if launcher is not None:
+            r["launcher"] = launcher
         return r
 
     logged = {**row(32, True, init=True), "updates": {
         "executions": 7, "executions_since_update_max": 1, "updates": int(rng.integers(2, 7)),
         "first_records": 1, "stream_captures": int(rng.integers(3, 99))}}
 
+    recorded = {**row(8, True, launcher="ffi_record"), "updates": {
+        "executions": 7, "executions_since_update_max": 1, "updates": 6, "first_records": 1,
+        "stream_captures": 0, "ffi_records": int(rng.integers(2, 99)),
+        "update_us_mean": float(rng.uniform(100, 900))}}
+
     traced = {**row(64, True), "host_events_us": {"CommandBufferThunk::ExecuteOnStream":
                                                   float(rng.uniform(1, 9)), "cuLaunch": 0.5}}
     files = {"cmdbuf_chains.json": [row(4)], "cmdbuf_chains_on.json": [row(16, True), traced],
              "cmdbuf_chains_off.json": [row(128, False), {**row(1, False), "span_us": None}],
-             "cmdbuf_chains_init.json": [logged]}
+             "cmdbuf_chains_init.json": [logged], "cmdbuf_chains_record.json": [recorded]}
     for name, rows in files.items():
         (tmp_path / name).write_text(json.dumps(rows))
     text = report.report(str(tmp_path))
@@ -77,6 +84,7 @@ def test_chain_length_section(tmp_path):
     for rows in files.values():
         for r in rows:
             inside = {None: "-", True: "yes", False: "no"}[r.get("ffi_command_buffers")] + (
+                ", recorded" if r.get("launcher") == "ffi_record" else "") + (
                 " + init" if r.get("ffi_initialize_stage") else "")
             span = r["span_us"]
             tail = (f"{span:.1f} | {r['wall_us'] - span:.1f} |" if span is not None
@@ -85,8 +93,11 @@ def test_chain_length_section(tmp_path):
                     f"{r['enqueue_us']:.1f} | {tail}") in text, r
     u = logged["updates"]
     assert (f"| {logged['wall_us'] - logged['span_us']:.1f} | {u['updates']} (1) | 1 | "
-            f"{u['stream_captures']} |") in text
-    assert text.count("| - | - | - |") == 5  # the rows without a log
+            f"{u['stream_captures']} | 0 | - |") in text
+    u = recorded["updates"]
+    assert (f"| 6 (1) | 1 | 0 | {u['ffi_records']} | {u['update_us_mean']:.0f} |") in text
+    # the rows without a log
+    assert sum(ln.endswith("| - | - | - | - | - |") for ln in text.splitlines()) == 5
     assert text.count("### The host's time a chained call") == 1
     for name, us in traced["host_events_us"].items():
         assert f"| 1,16,1024 | yes | 64 | `{name}` | {us:.2f} |" in text
