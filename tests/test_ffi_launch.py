@@ -852,6 +852,20 @@ print("preloaded", len(ffi_launch._preloaded))
 """
 
 
+def _run_script(script: str, rng, path: str, **env):
+    """``script`` (formatted with the tests' folder, a fresh seed and ``path``) in a fresh
+    Python process with ``env`` added; it must succeed. ``(the process, seed, path)``."""
+    import subprocess
+    import sys
+
+    seed = int(rng.integers(1 << 30))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", script.format(tests=tests, seed=seed, path=path)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, seed, path
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preload", ["1", "0"])
 def test_a_kernel_loaded_inside_a_command_buffer_capture_gives_the_same_answer(tmp_path, rng,
@@ -861,8 +875,6 @@ def test_a_kernel_loaded_inside_a_command_buffer_capture_gives_the_same_answer(t
     execution, which XLA records by capturing its stream (``JAX_MLA_FFI_PRELOAD=0``): the
     relaxed capture mode must let the load through, and the answer must match this process's,
     bit for bit, and the oracle."""
-    import subprocess
-    import sys
 
     from jax_mla.problem import current_platform
 
@@ -871,14 +883,8 @@ def test_a_kernel_loaded_inside_a_command_buffer_capture_gives_the_same_answer(t
 
     if current_platform() not in ("cuda", "rocm") or not HAS_LIBRARY:
         pytest.skip("needs a GPU and the launcher library")
-    seed = int(rng.integers(1 << 30))
-    path = str(tmp_path / "out.npy")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", _LAZY_SCRIPT.format(tests=tests, seed=seed,
-                                                                  path=path)],
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "JAX_MLA_FFI_PRELOAD": preload})
-    assert r.returncode == 0, r.stderr[-3000:]
+    r, seed, path = _run_script(_LAZY_SCRIPT, rng, str(tmp_path / "out.npy"),
+                                JAX_MLA_FFI_PRELOAD=preload)
     assert ("preloaded 0" in r.stdout) == (preload == "0"), r.stdout
     got = np.load(path)
     c = make_case(np.random.default_rng(seed), seq_lens=[700, 1, 64, 300], qlen=1,
@@ -962,8 +968,6 @@ def test_recorded_launches_wait_for_their_inputs_and_match_captured_ones(tmp_pat
     query the producer made (a launch that did not wait for the producer reads another
     input's query) and the two launchers must agree bit for bit."""
     import json
-    import subprocess
-    import sys
 
     from jax_mla.problem import current_platform
 
@@ -974,17 +978,11 @@ def test_recorded_launches_wait_for_their_inputs_and_match_captured_ones(tmp_pat
         pytest.skip("needs a CUDA GPU and the launcher library")
     if not ffi_launch.record_available():
         pytest.skip("this jaxlib's FFI headers have no record API (jaxlib 0.11+)")
-    seed = int(rng.integers(1 << 30))
-    path = str(tmp_path / "out.json")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", _RECORD_SCRIPT.format(tests=tests, seed=seed,
-                                                                    path=path)],
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0",
-                            "TF_CPP_VMODULE": "custom_call_thunk=3,record_ffi=3",
-                            # this process may hold most of the GPU's memory already
-                            "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    r, seed, path = _run_script(_RECORD_SCRIPT, rng, str(tmp_path / "out.json"),
+                                TF_CPP_MIN_LOG_LEVEL="0",
+                                TF_CPP_VMODULE="custom_call_thunk=3,record_ffi=3",
+                                # this process may hold most of the GPU's memory already
+                                XLA_PYTHON_CLIENT_PREALLOCATE="false")
     assert "record target: None" in r.stderr, r.stderr[-3000:]
     recorded = set(re.findall(r"FfiCreateLaunch for kernel: (\w+)", r.stderr))
     assert any(k.startswith("mla_decode") for k in recorded), r.stderr[-3000:]
