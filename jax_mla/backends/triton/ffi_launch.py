@@ -109,7 +109,6 @@ def record_available() -> bool:
     return hasattr(_library(), "JaxMlaTritonRecordCuda")
 
 
-
 def command_buffer_traits():
     """The registration traits that let XLA capture our launches in command buffers (CUDA
     graphs). XLA reads a handler's traits from its registration, not from the handler: without
@@ -163,9 +162,8 @@ def register_record_target() -> str | None:
     bootstrap target (:data:`BOOTSTRAP_TARGET_NAME`) is run once on the first CUDA device, in a
     thread of its own, since this is called while a step is traced. Not registered: no CUDA
     device, a library built against FFI headers without the record API (jaxlib < 0.11),
-    ``JAX_MLA_FFI_COMMAND_BUFFERS=0``, ``launch_mode``'s other knob
-    ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` (the record bundle has no initialize stage), or XLA
-    refusing it (its message)."""
+    ``JAX_MLA_FFI_COMMAND_BUFFERS=0``, ``JAX_MLA_FFI_INITIALIZE_STAGE=1`` (the record bundle
+    has no initialize stage), or XLA refusing it (its message)."""
     with _RECORD_LOCK:
         if not _record_reason:
             _record_reason.append(_register_record_target())
