@@ -239,8 +239,7 @@ from jax_mla.kernels.triton import split_query
 from jax_mla.problem import Target
 out = {}
 for rows in (16 * 4, 128 * 128):
-    cfg = split_query.launch_config(rows, 576)
-    cfg.pop("grid")
+    _, cfg = split_query.launch_config(rows, 576)
     for dtype in ("bfloat16", "float16"):
         kb = ffi_launch.compile_kernel(split_query.mla_split_query_e4m3_kernel,
                                        [jnp.dtype(dtype), jnp.float32, jnp.float8_e4m3fn,

@@ -176,15 +176,15 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
     import jax
     import numpy as np
 
+    from jax_mla import env
+    from jax_mla.backends.triton.launch import LAUNCHERS
     from jax_mla.bench import profile
     from jax_mla.bench.decode import Shape, attention_call
     from jax_mla.bench.timing import chained
 
     calls = {spec: attention_call(Shape.parse(spec), np.random.default_rng(0)) for spec in specs}
-    from jax_mla import env
-
     inside = env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True)
-    launcher = os.environ.get("JAX_MLA_TRITON_LAUNCHER", "auto")
+    launcher = env.read_choice("JAX_MLA_TRITON_LAUNCHER", LAUNCHERS, "auto")
     initialize = env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
     rows = []
     for spec, (fn, args) in calls.items():

@@ -114,8 +114,7 @@ def split_query_kernel(q, lead, *, target, launcher):
     rows, n_lead = t * h, lead.shape[0]
     if n_lead not in (1, 2):
         raise ValueError(f"split_query_kernel: {n_lead} leading scales (1 or 2)")
-    cfg = split_query.launch_config(rows, d)
-    grid = cfg.pop("grid")
+    grid, cfg = split_query.launch_config(rows, d)
     parts, scales = triton_call(
         split_query.mla_split_query_e4m3_kernel, q.reshape(rows, d),
         lead.astype(jnp.float32), grid=grid,

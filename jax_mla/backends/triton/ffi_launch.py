@@ -192,7 +192,6 @@ def _register_record_target() -> str | None:
         devices = []
     if not devices:
         return "no CUDA device in this process"
-    register(("CUDA",))
     jax.ffi.register_ffi_target(BOOTSTRAP_TARGET_NAME, _capsule("JaxMlaTritonBootstrapCuda"),
                                 platform="CUDA")
     errors = []

@@ -71,9 +71,10 @@ def mla_split_query_e4m3_kernel(
     tl.store(scales_ptr + N_LEAD + rows, s, mask=live)
 
 
-def launch_config(rows: int, d: int) -> dict:
-    """The kernel's constexprs and grid for ``rows`` rows of ``d``: four rows a program (one a
-    warp, the row's columns across its lanes)."""
+def launch_config(rows: int, d: int) -> tuple[tuple[int], dict]:
+    """``(grid, constexprs)`` for ``rows`` rows of ``d``: four rows a program (one a warp, the
+    row's columns across its lanes)."""
     per_program = 4
-    return dict(grid=(triton.cdiv(max(rows, 1), per_program),), ROWS=rows, D=d,
-                BLOCK_D=triton.next_power_of_2(d), ROWS_PER_PROGRAM=per_program)
+    return ((triton.cdiv(max(rows, 1), per_program),),
+            dict(ROWS=rows, D=d, BLOCK_D=triton.next_power_of_2(d),
+                 ROWS_PER_PROGRAM=per_program))
