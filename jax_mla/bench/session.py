@@ -46,6 +46,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   with the planning kernel) at :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both
   timers, metadata, command buffers, into ``launcher_ab.json``; ``record``: our launches
   captured or recorded through XLA's record stage (:data:`RECORD_AB`, ``record_ab.json``).
+- ``ncu``: Nsight Compute's counters for one call's kernels, ours beside FlashMLA's and cuDNN's
+  (``jax_mla.bench.ncu``, ``ncu.json``; the cases after ``--``).
 
 Where FlashMLA's reduced tree was carried (:data:`PEERS`), it is built in the background at the
 start and the ``bench`` and ``launcher`` stages time it beside ours.
@@ -151,14 +153,15 @@ def peer_path() -> str | None:
     return os.path.abspath(PEERS)
 
 
-def _python(args, timeout, name, **extra_env):
+def _python(args, timeout, name, *, peers=None, **extra_env):
     """Run ``python args...`` with the GPU environment (no interpreter); log its tail. FlashMLA,
-    where built, is on its path (and XLA leaves torch half the GPU's memory)."""
+    where built, is on its path (and XLA leaves torch half the GPU's memory) for the benches,
+    or where ``peers`` says so."""
     env = {k: v for k, v in os.environ.items()
            if k != "TRITON_INTERPRET" and k not in _CHILD_ENV_DROP}
     env["OUT"] = OUT
     benches = (["-m", "jax_mla.bench"], ["-m", "jax_mla.bench.ab"])
-    peer = peer_path() if args[:2] in benches else None
+    peer = peer_path() if (args[:2] in benches if peers is None else peers) else None
     if peer:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [peer, env.get("PYTHONPATH")]))
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
@@ -749,6 +752,22 @@ def stage_memcheck_wait(_):
         _memcheck.join()
 
 
+def stage_ncu(cases):
+    """Nsight Compute's view of one call's kernels (``jax_mla.bench.ncu``; the cases after
+    ``--``, else its defaults): ours into ``ncu.json`` while FlashMLA builds, then the peers'
+    (FlashMLA's, cuDNN's) into ``ncu_peers.json``."""
+    from jax_mla.bench import ncu
+
+    cases = cases or list(ncu.DEFAULT_CASES)
+    ours = [c for c in cases if c.split(":")[0] in ncu.OURS]
+    theirs = [c for c in cases if c not in ours]
+    lib = _ffi_library()
+    for name, group in (("ncu.json", ours), ("ncu_peers.json", theirs)):
+        if group:
+            _python(["-m", "jax_mla.bench.ncu", os.path.join(OUT, name), *group], 400, name,
+                    peers=group is theirs, JAX_MLA_FFI_LIBRARY=lib)
+
+
 def stage_planner(_):
     _ffi_library()
     _python(["-m", "jax_mla.bench.planner", os.path.join(OUT, "planner.json")], 300, "planner")
@@ -773,7 +792,7 @@ def main(argv=None) -> int:
     if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         _CHILD_ENV_DROP.add("XLA_PYTHON_CLIENT_PREALLOCATE")
-    if {"bench", "bench_triton", "launcher"} & set(stages):
+    if {"bench", "bench_triton", "launcher", "ncu"} & set(stages):
         start_peer_build()
     for name in stages:
         log(f"== {name}")
