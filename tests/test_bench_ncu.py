@@ -44,3 +44,28 @@ def test_cases_are_split_into_ours_and_peers():
     assert ours and len(ours) < len(ncu.DEFAULT_CASES)
     assert all(c.split(":")[0] in ("jax_mla", "prefill", "flashmla", "cudnn")
                for c in ncu.DEFAULT_CASES)
+
+
+def test_report_shows_each_case_with_xla_kernels_summed(tmp_path):
+    import json
+
+    from jax_mla.bench import report
+
+    rng = np.random.default_rng()
+    us = [float(x) for x in rng.uniform(1, 9, 3)]
+    rows = [{"case": "jax_mla:8,16,4096", "rc": 0, "kernels": [
+        {"kernel": "loop_convert_fusion", "us": us[0], "stalls": {}},
+        {"kernel": "input_reduce_fusion", "us": us[1], "stalls": {}},
+        {"kernel": "mla_reduce_affine_kernel", "us": us[2], "stalls": {}},
+        {"kernel": "void sm90::flash<T, 3>(x)", "us": 250.0, "sm_pct": 61.2, "tensor_pct": 64.6,
+         "dram_read_bytes": 2.5e8, "registers": 240, "stalls": {"long_scoreboard": 3.5,
+                                                                 "barrier": 1.4}}]},
+            {"case": "cudnn:1,16,8192", "rc": -1, "kernels": []}]
+    (tmp_path / "ncu.json").write_text(json.dumps(rows))
+    text = report.report(str(tmp_path))
+    assert "## Nsight Compute: our kernels" in text
+    assert f"| 2 XLA kernels under 10 µs | {us[0] + us[1]:.1f} |" in text
+    assert "| mla_reduce_affine_kernel |" in text  # ours are listed however short
+    assert "| sm90::flash | 250.0 | 61.2 | 64.6 | - | 250.0 | 240 |" in text
+    assert "long_scoreboard 3.50, barrier 1.40" in text
+    assert "(nothing profiled: rc -1)" in text

@@ -251,8 +251,9 @@ def test_sm90_fp8_kernel_plan(monkeypatch, knob, page_size, want):
 
 @pytest.mark.parametrize("knob, release, page_size, want128, want16", [
     (None, (3, 6), 64, True, True), (None, (3, 6), 16, True, True), (None, (3, 6), 1, True, True),
-    (None, (3, 6), 32, False, False), (None, (3, 9), 64, True, False),
-    (None, None, 64, True, False), ("1", (3, 9), 64, True, True), ("0", (3, 6), 64, False, False)])
+    (None, (3, 6), 32, False, False), (None, (3, 9), 64, True, True),
+    (None, (3, 8), 64, True, False), (None, None, 64, True, False), ("1", (3, 8), 64, True, True),
+    ("0", (3, 6), 64, False, False)])
 def test_sm90_split_query_plan(monkeypatch, knob, release, page_size, want128, want16):
     """A 16-bit query against an fp8 cache on Hopper (``JAX_MLA_TRITON_SM90_SPLIT_Q``): unset,
     the Gluon fp8 kernel with the query split in two e4m3 parts at the page sizes that kernel

@@ -46,7 +46,9 @@ METRICS = {
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct",
     "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "mem_pct",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
     "dram__bytes_read.sum": "dram_read_bytes",
+    "dram__bytes_write.sum": "dram_write_bytes",
     "lts__t_sector_hit_rate.pct": "l2_hit_pct",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "warps_active_pct",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_active_pct",
@@ -56,6 +58,9 @@ METRICS = {
     "launch__shared_mem_per_block": "shared_bytes",
     "launch__occupancy_limit_registers": "occupancy_limit_registers",
 }
+# Asked for by name as well as through the sections (the sections' DRAM figures differ between
+# Nsight Compute versions); a run that rejects them is repeated without.
+EXTRA_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum"
 TENSOR = re.compile(r"^sm__pipe_tensor\w*_cycles_active\.avg\.pct_of_peak_sustained_active$")
 STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)_per_issue_active"
                    r"\.ratio$")
@@ -79,8 +84,8 @@ def parse_raw_csv(text: str) -> list[dict]:
         unit = dict(zip(header, units))
         k = {"kernel": rec.get("Kernel Name", "?")}
         for metric, key in METRICS.items():
-            if metric in rec:
-                k[key] = _number(rec[metric], unit.get(metric, ""))
+            if metric in rec and (x := _number(rec[metric], unit.get(metric, ""))) is not None:
+                k[key] = x
         tensor = {m: _number(v, "") for m, v in rec.items() if TENSOR.match(m)}
         tensor = {m: v for m, v in tensor.items() if v is not None}
         if tensor:
@@ -89,7 +94,9 @@ def parse_raw_csv(text: str) -> list[dict]:
         stalls = {}
         for m, v in rec.items():
             hit = STALL.match(m)
-            if hit and (x := _number(v, "")) is not None and x > 0:
+            # "selected" is the issuing itself (1 a warp), not a wait
+            if (hit and hit.group(1) not in ("selected", "not_selected")
+                    and (x := _number(v, "")) is not None and x > 0):
                 stalls[hit.group(1)] = max(stalls.get(hit.group(1), 0.0), x)
         k["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
         out.append(k)
@@ -187,17 +194,22 @@ def profile_case(case: str, ncu: str, timeout: int, workdir: str) -> dict:
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # torch (FlashMLA, cuDNN) beside
     env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"),
                                               "--xla_gpu_enable_command_buffer="]))
-    cmd = [ncu, "--profile-from-start", "off", "--target-processes", "application-only",
-           "--clock-control", "none", *(a for s in SECTIONS for a in ("--section", s)),
-           "-f", "-o", rep, sys.executable, "-m", "jax_mla.bench.ncu", "--child", case]
     t = time.time()
     row: dict = {"case": case}
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        row["rc"] = r.returncode
-        tail = (r.stdout + r.stderr).strip().splitlines()[-6:]
-    except subprocess.TimeoutExpired:
-        row["rc"], tail = -1, [f"TIMEOUT after {timeout} s"]
+    for extra in (["--metrics", EXTRA_METRICS], []):
+        cmd = [ncu, "--profile-from-start", "off", "--target-processes", "application-only",
+               "--clock-control", "none", *(a for s in SECTIONS for a in ("--section", s)),
+               *extra, "-f", "-o", rep, sys.executable, "-m", "jax_mla.bench.ncu", "--child",
+               case]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            row["rc"] = r.returncode
+            tail = (r.stdout + r.stderr).strip().splitlines()[-6:]
+        except subprocess.TimeoutExpired:
+            row["rc"], tail = -1, [f"TIMEOUT after {timeout} s"]
+            break
+        if r.returncode == 0 or "metric" not in (r.stdout + r.stderr).lower():
+            break
     row["seconds"] = round(time.time() - t, 1)
     if os.path.exists(rep + ".ncu-rep"):
         raw = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--csv", "--page", "raw"],

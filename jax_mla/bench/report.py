@@ -159,10 +159,10 @@ def ab_table(rows) -> str:
     out = ["| shape | variant | best stream µs | × first | GPU µs | rel err vs first | "
            "LSE max abs err vs first |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lse = r.get("lse_max_abs_err_vs_first")
+        # "-": not compared (rows of separate processes)
         out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
-                   f"{r['vs_first']:.3f} | {_f(r.get('gpu_us'))} | {r['rel_err_vs_first']:.1e} | "
-                   f"{'-' if lse is None else f'{lse:.1e}'} |")
+                   f"{r['vs_first']:.3f} | {_f(r.get('gpu_us'))} | "
+                   f"{_e(r.get('rel_err_vs_first'))} | {_e(r.get('lse_max_abs_err_vs_first'))} |")
     return "\n".join(out)
 
 
@@ -179,6 +179,9 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
              "(`tile`), bf16 beside (same run)"),
             ("ab_split_q_more.json", "The same at more shapes, stream time only (`sq64`: "
              "64-row tiles at every head count; another run)"),
+            ("ab_fp8_lean.json", "The Gluon fp8 kernel before (`held`) and after (`lean`) it "
+             "stopped holding loop-invariant rows through its KV loops (two processes, one "
+             "machine, one call)"),
             ("record_ab.json", "Our launches captured into command buffers (`ffi`, the default) "
              "or recorded through XLA's record stage (`record`) (same run)"),
             ("stream_execute.json", "Stream time, XLA's execute stage only (one process)"),
@@ -322,6 +325,47 @@ def planner_table(rows) -> str:
     return "\n".join(out)
 
 
+def ncu_table(rows) -> str:
+    """``ncu*.json`` (``python -m jax_mla.bench.ncu``): each case's kernels of 2 µs or more
+    (XLA's small fusions summed into one line), with Nsight Compute's figures: duration, SM
+    and tensor-pipe busy fractions, DRAM throughput and bytes read, registers, achieved warps
+    and the three largest stall reasons (cycles a warp waits per issued instruction)."""
+    def pct(k, key):
+        return f"{k[key]:.1f}" if k.get(key) is not None else "-"
+
+    out = ["| case | kernel | µs | SM % | tensor % | DRAM % | DRAM read MB | registers | "
+           "warps active % | largest stalls |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        kernels = r.get("kernels", [])
+        big = [k for k in kernels if k.get("us", 0) >= 10 or not _is_xla(k["kernel"])]
+        small = [k for k in kernels if k not in big]
+        for k in big:
+            stalls = ", ".join(f"{n} {v:.2f}" for n, v in list(k.get("stalls", {}).items())[:3])
+            read = k.get("dram_read_bytes")
+            out.append(f"| {r['case']} | {_kernel_name(k['kernel'])} | {k.get('us', 0):.1f} | "
+                       f"{pct(k, 'sm_pct')} | {pct(k, 'tensor_pct')} | {pct(k, 'dram_pct')} | "
+                       f"{read / 1e6:.1f} | " if read is not None else
+                       f"| {r['case']} | {_kernel_name(k['kernel'])} | {k.get('us', 0):.1f} | "
+                       f"{pct(k, 'sm_pct')} | {pct(k, 'tensor_pct')} | {pct(k, 'dram_pct')} | - | ")
+            out[-1] += (f"{k.get('registers', 0):.0f} | {pct(k, 'warps_active_pct')} | "
+                        f"{stalls} |")
+        if small:
+            out.append(f"| {r['case']} | {len(small)} XLA kernels under 10 µs | "
+                       f"{sum(k.get('us', 0) for k in small):.1f} | | | | | | | |")
+        if not kernels:
+            out.append(f"| {r['case']} | (nothing profiled: rc {r.get('rc')}) | | | | | | | | |")
+    return "\n".join(out)
+
+
+def _is_xla(name: str) -> bool:
+    return name.startswith(("loop_", "input_", "wrapped_", "fusion"))
+
+
+def _kernel_name(name: str) -> str:
+    """A kernel's name without its template arguments (FlashMLA's are long)."""
+    return name.split("<")[0].replace("void ", "")
+
+
 def report(folder: str) -> str:
     name = os.path.basename(os.path.normpath(folder))
     parts = [f"# Results: {name}", "",
@@ -394,6 +438,14 @@ def report(folder: str) -> str:
         if traced:
             parts += ["### The host's time a chained call, by profiler event", "",
                       host_events_table(traced), ""]
+    for file, title in (("ncu.json", "Nsight Compute: our kernels"),
+                        ("ncu_peers.json", "Nsight Compute: the peers' kernels"),
+                        ("ncu_dram.json", "Nsight Compute: our kernels, with DRAM bytes")):
+        rows = _load(folder, file)
+        if rows:
+            parts += [f"## {title}", "", "One call's kernels under `ncu` (clocks as they are, "
+                      "each metric pass a replay; `python -m jax_mla.bench.ncu`).", "",
+                      ncu_table(rows), ""]
     pre = _load(folder, "prefill.json")
     if pre:
         parts += ["## Prefill", "", prefill_table(pre), ""]

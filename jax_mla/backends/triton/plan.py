@@ -188,13 +188,13 @@ class TritonTuning:
     e4m3 parts and a power-of-two scale a row (``decode.split_query_e4m3``: exact for a bf16 query
     but for elements under ``2^-8`` of their row's largest), so the scores are fp8 products too;
     off: the Triton tiles (bf16 products of the converted tile). None (the default): on where the
-    installed Triton is one under which the kernel compiles without spills (:data:`SPLIT_Q_TRITON`,
-    3.6: on an H100, 2026-12-06, it met the oracle and took 0.66-0.76x the Triton tiles' stream time
-    at five shapes); under other Tritons only in place of the Triton 64-row tile (triton 3.9 spills
-    both, the 64-row tile inside its KV loop, the split kernel outside its loops); True / False
-    force it. ``split_q_kernel``: that split made by one Triton kernel
-    (``kernels/triton/split_query.py``, the same values) instead of XLA ops, which took four
-    kernels and 49.6 µs at B128 H128 on an H100; off by default until it is timed on a GPU.
+    installed Triton is one under which the kernel compiles without spills (:data:`SPLIT_Q_TRITON`:
+    3.6 and 3.9; on an H100, 2026-12-06, it met the oracle and took 0.66-0.76x the Triton tiles'
+    stream time at five shapes); under other Tritons only in place of the Triton 64-row tile
+    (which triton 3.9 spills inside its KV loop); True / False force it. ``split_q_kernel``: that
+    split made by one Triton kernel (``kernels/triton/split_query.py``, the same values) instead
+    of XLA ops, which took four kernels and 49.6 µs at B128 H128 on an H100; off by default until
+    it is timed on a GPU.
     """
 
     block_n: int | None = None
@@ -371,12 +371,12 @@ def sm90_fp8(tuning: TritonTuning, page_size: int) -> bool:
 
 # Triton releases (major, minor) under whose compiler the split-query kernel
 # (``TritonTuning.sm90_split_q``) compiles for sm_90 without spills, so the default takes it at
-# every row count: 3.6, the GPU image's, which ran it (H100, 2026-12-06). Triton 3.9's ptxas
-# spills it up to 232 bytes a thread, all outside its KV loops (``tests/test_gluon_sm90.py``
-# checks this table against the compiler it runs); there the default takes it only in place of
-# the Triton 64-row tile, which spills 524-932 bytes under 3.9, 29-43 spill instructions inside
-# its KV loop, and keeps the Triton 16-row tile, which fits.
-SPLIT_Q_TRITON = ((3, 6),)
+# every row count: 3.6, the GPU image's, which ran it (H100, 2026-12-06), and 3.9 since the
+# kernel stopped holding loop-invariant rows through its loops (2026-12-06: it had spilled up to
+# 232 bytes under 3.9's ptxas; ``tests/test_gluon_sm90.py`` checks this table against the
+# compiler it runs). Under other Tritons the default takes it only in place of the Triton 64-row
+# tile, which spills 524-932 bytes under 3.9, 29-43 spill instructions inside its KV loop.
+SPLIT_Q_TRITON = ((3, 6), (3, 9))
 
 
 @functools.cache

@@ -190,10 +190,11 @@ def _work(work_ptr, kv_indptr_ptr, bt_ptr, w, MAX_PAGES: gl.constexpr):
 def _write_back(ROLE: gl.constexpr, acc, m_i, l_i, o_scale, offs_m, t_s, hb, ploc, qo_start,
                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H: gl.constexpr,
                 Q: gl.constexpr, HB: gl.constexpr, L: gl.constexpr, O_L: gl.constexpr,
-                L2_HINTS: gl.constexpr, SCALED: gl.constexpr):
+                L2_HINTS: gl.constexpr, SCALED: gl.constexpr, z=0):
     """A work's end: this warpgroup's half of the output columns (times ``o_scale`` where
     ``SCALED``), final or a split partial; warpgroup 0 also writes the LSE. Empty rows: out 0,
-    LSE -inf."""
+    LSE -inf. ``z``: 0, or an opaque 0 (``_opaque``) that keeps the rows' heads and tokens
+    from being hoisted out of the work loop and held through it."""
     LH: gl.constexpr = L // 2
     col0: gl.constexpr = ROLE * LH
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
@@ -206,7 +207,7 @@ def _write_back(ROLE: gl.constexpr, acc, m_i, l_i, o_scale, offs_m, t_s, hb, plo
     else:
         o = acc / gl.where(empty, 1.0, l_o)[:, None]
     o = gl.where(empty[:, None], 0.0, o)
-    offs_mo = gl.arange(0, BLOCK_M, layout=ROW_O)
+    offs_mo = gl.arange(0, BLOCK_M, layout=ROW_O) + z
     t_o = offs_mo // HB
     head_o = hb * HB + offs_mo % HB
     ok_o = (t_o < Q) & (head_o < H)

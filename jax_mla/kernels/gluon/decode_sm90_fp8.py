@@ -72,50 +72,65 @@ def _views(sQn3, sQr3, sKn, sKr, sV, sP, counter, SPLIT_Q: gl.constexpr):
 
 
 @gluon.jit
-def _chunk_rows_in_page(bt_row, start, hi, r0: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                        layout: gl.constexpr, NUM_PAGES: gl.constexpr):
-    """``decode_sm90._chunk_rows`` where a 16-row chunk lies in one page (the page size a
-    multiple of 16, tiles starting at multiples of 64): one block-table read a chunk, the rows
-    consecutive from it. A chunk past ``hi`` (its copies zero-fill) reads the last position's
-    page, so every address stays inside the cache."""
-    last = gl.maximum(hi - 1, 0)
-    p0 = gl.minimum(start + r0, last)
-    p0 = p0 - p0 % CHUNK
-    phys = gl.load(bt_row + p0 // PAGE_SIZE)
-    phys = gl.minimum(gl.maximum(phys, 0), NUM_PAGES - 1)
-    return phys * PAGE_SIZE + p0 % PAGE_SIZE + gl.arange(0, CHUNK, layout=layout)
+def _chunk_start(start, hi, r0: gl.constexpr):
+    """The first position of the 16-row chunk at ``start + r0``, clamped into the request (a
+    chunk past ``hi``, whose copies zero-fill, reads the last position's page)."""
+    p0 = gl.minimum(start + r0, gl.maximum(hi - 1, 0))
+    return p0 - p0 % CHUNK
+
+
+@gluon.jit
+def _chunk_page(bt_row, start, hi, r0: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                NUM_PAGES: gl.constexpr):
+    """The page (clamped into the cache) that holds the chunk at ``start + r0``, where a chunk
+    lies in one page (the page size a multiple of 16, tiles starting at multiples of 64)."""
+    phys = gl.load(bt_row + _chunk_start(start, hi, r0) // PAGE_SIZE)
+    return gl.minimum(gl.maximum(phys, 0), NUM_PAGES - 1)
 
 
 @gluon.jit
 def _tile_rows(bt_row, start, hi, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
                LOAD: gl.constexpr, NUM_PAGES: gl.constexpr):
-    """The cache rows of the tile at ``start`` as four 16-row chunks (``decode_sm90._tile_rows``;
-    a chunk in one page takes one table read, which also keeps the rows' registers down: at
-    page size 16 the per-row gather spilled under triton 3.9's ptxas)."""
+    """What the tile at ``start`` reads from the block table, a pair ahead of its copies (see
+    ``decode_sm90._tile_rows``), as four 16-row chunks: where a chunk lies in one page, the
+    page alone (a scalar; ``_load_part`` makes the chunk's consecutive rows from it just before
+    its copies, so that the rows' registers are not held through the MMAs: held, they pushed
+    triton 3.9's ptxas into spilling at 32+ rows); else the chunk's rows
+    (``decode_sm90._chunk_rows``)."""
     layout: gl.constexpr = gl.SliceLayout(1, LOAD)
-    if PAGE_SIZE % CHUNK == 0 and not TILE_IN_PAGE:
-        return (_chunk_rows_in_page(bt_row, start, hi, 0, PAGE_SIZE, layout, NUM_PAGES),
-                _chunk_rows_in_page(bt_row, start, hi, CHUNK, PAGE_SIZE, layout, NUM_PAGES),
-                _chunk_rows_in_page(bt_row, start, hi, 2 * CHUNK, PAGE_SIZE, layout, NUM_PAGES),
-                _chunk_rows_in_page(bt_row, start, hi, 3 * CHUNK, PAGE_SIZE, layout, NUM_PAGES))
-    return (_chunk_rows(bt_row, start, hi, 0, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
-            _chunk_rows(bt_row, start, hi, CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
-            _chunk_rows(bt_row, start, hi, 2 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
-            _chunk_rows(bt_row, start, hi, 3 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES))
+    if TILE_IN_PAGE:
+        page = _chunk_page(bt_row, start, hi, 0, PAGE_SIZE, NUM_PAGES)
+        return page, page, page, page
+    elif PAGE_SIZE % CHUNK == 0:
+        return (_chunk_page(bt_row, start, hi, 0, PAGE_SIZE, NUM_PAGES),
+                _chunk_page(bt_row, start, hi, CHUNK, PAGE_SIZE, NUM_PAGES),
+                _chunk_page(bt_row, start, hi, 2 * CHUNK, PAGE_SIZE, NUM_PAGES),
+                _chunk_page(bt_row, start, hi, 3 * CHUNK, PAGE_SIZE, NUM_PAGES))
+    else:
+        return (_chunk_rows(bt_row, start, hi, 0, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
+                _chunk_rows(bt_row, start, hi, CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout, NUM_PAGES),
+                _chunk_rows(bt_row, start, hi, 2 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout,
+                            NUM_PAGES),
+                _chunk_rows(bt_row, start, hi, 3 * CHUNK, PAGE_SIZE, TILE_IN_PAGE, layout,
+                            NUM_PAGES))
 
 
 @gluon.jit
 def _load_part(dst, kv_ptr, rows, start, hi, col0: gl.constexpr, NCOLS: gl.constexpr,
-               D: gl.constexpr, LOAD: gl.constexpr):
+               D: gl.constexpr, LOAD: gl.constexpr, PAGE_SIZE: gl.constexpr):
     """cp.async columns ``col0 .. col0 + NCOLS`` of the KV tile at ``start`` into ``dst``
     ``[BLOCK_N, NCOLS]``, 16 rows at a time, in the copy layout ``LOAD`` (``rows``: the tile's
-    cache rows from ``_tile_rows``, in any layout of the same rows); positions past ``hi`` read
-    as 0."""
+    chunks from ``_tile_rows``: pages, or rows in any layout of the same rows); positions past
+    ``hi`` read as 0."""
     row_l: gl.constexpr = gl.SliceLayout(1, LOAD)
     offs_c = col0 + gl.arange(0, NCOLS, layout=gl.SliceLayout(0, LOAD))
     for i in gl.static_range(BLOCK_N // CHUNK):
         valid = start + i * CHUNK + gl.arange(0, CHUNK, layout=row_l) < hi
-        r = gl.convert_layout(rows[i], row_l)
+        if PAGE_SIZE % CHUNK == 0:
+            r = (rows[i] * PAGE_SIZE + _chunk_start(start, hi, i * CHUNK) % PAGE_SIZE
+                 + gl.arange(0, CHUNK, layout=row_l))
+        else:
+            r = gl.convert_layout(rows[i], row_l)
         ptrs = kv_ptr + r.to(gl.int64)[:, None] * D + offs_c[None, :]
         _cp_async(dst.slice(i * CHUNK, CHUNK, dim=0), ptrs,
                   mask=valid[:, None] & (offs_c[None, :] >= 0))
@@ -124,14 +139,15 @@ def _load_part(dst, kv_ptr, rows, start, hi, col0: gl.constexpr, NCOLS: gl.const
 @gluon.jit
 def _load_q(sQn, sQr, q_ptr, qo_start, hb, H: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
             L: gl.constexpr, R: gl.constexpr, LOAD: gl.constexpr, LOADR: gl.constexpr,
-            STRIDE: gl.constexpr):
+            STRIDE: gl.constexpr, z):
     """cp.async the work's query rows ``m = t * HB + h`` (latent columns in ``LOAD``, rope
     columns in ``LOADR``; ``STRIDE`` elements a query row); rows past the verify block or the
-    heads read as 0."""
+    heads read as 0. ``z``: an opaque 0 (``decode_sm90._opaque``), so that the rows' heads are
+    made here, not hoisted out of the work loop and held through it."""
     offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, LOAD))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOADR))
     for r0 in gl.static_range(0, BLOCK_M, CHUNK):
-        m = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LOAD))
+        m = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LOAD)) + z
         ok, qrow = _query_rows(m, qo_start, hb, H, Q, HB)
         base = q_ptr + qrow * STRIDE
         _cp_async(sQn.slice(r0, CHUNK, dim=0), base[:, None] + offs_l[None, :],
@@ -189,18 +205,21 @@ def _scores_and_v(sQn, sQr, sQnl, sQrl, sKn, sKr, v_dst, v_src, LOAD: gl.constex
 
 
 @gluon.jit
-def _scaled(s, qk, SPLIT_Q: gl.constexpr):
-    """The scores times their scale: one for the tile, or with ``SPLIT_Q`` one a row."""
+def _scaled(s, qk_scale, sRS, i, ROW_S: gl.constexpr, SPLIT_Q: gl.constexpr):
+    """The scores times their scale: ``qk_scale`` for the tile, or with ``SPLIT_Q`` one a row,
+    read from ``sRS.index(i)`` a tile at a time (``i`` opaque, so that the read stays in the
+    loop: held in registers through it, the scales pushed triton 3.9's ptxas into spilling).
+    The thread that stored a row's scale reads it: no barrier."""
     if SPLIT_Q:
-        return s * qk[:, None]
+        return s * sRS.index(i).load(ROW_S)[:, None]
     else:
-        return s * qk
+        return s * qk_scale
 
 
 @gluon.jit
 def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
           qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-          sQn3, sQr3, rs_ptr, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars,
+          sQn3, sQr3, kv_scale_ptr, sRS, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars,
           H: gl.constexpr, MAX_PAGES: gl.constexpr, Q: gl.constexpr, HB: gl.constexpr,
           L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, TILE_IN_PAGE: gl.constexpr,
           L2_HINTS: gl.constexpr, NUM_PAGES: gl.constexpr, SPLIT_Q: gl.constexpr,
@@ -226,7 +245,6 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
 
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     offs_m = gl.arange(0, BLOCK_M, layout=ROW_S)
-    t_s = offs_m // HB
     pc = 0  # pairs done (both roles count the same pairs): barrier phases
     for w in range(w0, w1):
         wi = w - w0
@@ -236,37 +254,41 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             sQn3, sQr3, sKn, sKr, sV, sP, wi, SPLIT_Q)
         if ROLE == 0:
             mbarrier.wait(qfree, (wi - 1) & 1, pred=wi > 0)
+            zq = _opaque(wi * 0)
             if SPLIT_Q:  # the parts side by side in a row: hi, then lo
-                _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, 2 * D)
-                _load_q(sQnl, sQrl, q_ptr + D, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, 2 * D)
+                _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, 2 * D, zq)
+                _load_q(sQnl, sQrl, q_ptr + D, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, 2 * D,
+                        zq)
             else:
-                _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, D)
+                _load_q(sQn, sQr, q_ptr, qo_start, hb, H, Q, HB, L, R, LOAD, LOADR, D, zq)
             async_copy.mbarrier_arrive(qbar, increment_count=False)
         # Pair 0 of this work: each role copies the regions it is the last reader of.
         if n_pairs > 0:
             rows_a = _tile_rows(bt_row, lo, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
             rows_b = _tile_rows(bt_row, lo + BLOCK_N, hi, PAGE_SIZE, TILE_IN_PAGE, LOAD, NUM_PAGES)
             if ROLE == 0:
-                _load_part(sKn0.slice(0, LH, dim=1), kv_ptr, rows_a, lo, hi, 0, LH, D, LOAD)
-                _load_part(sKr0, kv_ptr, rows_a, lo, hi, L, R, D, LOADR)
+                _load_part(sKn0.slice(0, LH, dim=1), kv_ptr, rows_a, lo, hi, 0, LH, D, LOAD,
+                           PAGE_SIZE)
+                _load_part(sKr0, kv_ptr, rows_a, lo, hi, L, R, D, LOADR, PAGE_SIZE)
                 async_copy.mbarrier_arrive(full0, increment_count=False)
                 _load_part(sKn1.slice(0, LH, dim=1), kv_ptr, rows_b, lo + BLOCK_N, hi, 0, LH, D,
-                           LOAD)
+                           LOAD, PAGE_SIZE)
                 async_copy.mbarrier_arrive(full1, increment_count=False)
             else:
-                _load_part(sKn0.slice(LH, LH, dim=1), kv_ptr, rows_a, lo, hi, LH, LH, D, LOAD)
+                _load_part(sKn0.slice(LH, LH, dim=1), kv_ptr, rows_a, lo, hi, LH, LH, D, LOAD,
+                           PAGE_SIZE)
                 async_copy.mbarrier_arrive(full0, increment_count=False)
                 _load_part(sKn1.slice(LH, LH, dim=1), kv_ptr, rows_b, lo + BLOCK_N, hi, LH, LH,
-                           D, LOAD)
-                _load_part(sKr1, kv_ptr, rows_b, lo + BLOCK_N, hi, L, R, D, LOADR)
+                           D, LOAD, PAGE_SIZE)
+                _load_part(sKr1, kv_ptr, rows_b, lo + BLOCK_N, hi, L, R, D, LOADR, PAGE_SIZE)
                 async_copy.mbarrier_arrive(full1, increment_count=False)
         mbarrier.wait(qbar, wi & 1)
-        if SPLIT_Q:
-            qk = qk_scale * _row_scales(rs_ptr, qo_start, hb, H, Q, HB, ROW_S)
-        else:
-            qk = qk_scale
+        if SPLIT_Q:  # each row's scale, kept in shared memory (see _scaled)
+            sRS.index(ROLE).store(qk_scale * _row_scales(kv_scale_ptr + 1, qo_start, hb, H, Q,
+                                                         HB, ROW_S))
 
-        bound = seq - Q + t_s + 1  # row t sees positions < seq - Q + t + 1
+        # Row t sees positions < seq - Q + t + 1 (t made here, not held through the work loop).
+        bound = seq - Q + (offs_m + _opaque(wi * 0)) // HB + 1
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
         l_i = gl.zeros([BLOCK_M], gl.float32, ROW_S)
         acc = gl.zeros([BLOCK_M, LH], gl.float32, O_L)
@@ -287,7 +309,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                                   sKn0.slice(0, LH, dim=1), LOAD, SPLIT_Q, SPLIT_ACC)
                 pos = start + offs_n
                 keep = (pos[None, :] < hi) & (pos[None, :] < bound[:, None])
-                s = gl.where(keep, _scaled(s, qk, SPLIT_Q), float("-inf"))
+                s = gl.where(keep, _scaled(s, qk_scale, sRS, ROLE + _opaque(pc * 0), ROW_S,
+                                           SPLIT_Q), float("-inf"))
                 m0 = gl.maximum(m_i, gl.max(s, axis=1))
                 m0s = gl.where(m0 == float("-inf"), 0.0, m0)
                 p = gl.exp2(s - m0s[:, None])
@@ -309,8 +332,9 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 # Buffer 0's left half and rope columns are mine to refill.
                 if j + 1 < n_pairs:
-                    _load_part(sKn0.slice(0, LH, dim=1), kv_ptr, nrows_a, nxt, hi, 0, LH, D, LOAD)
-                    _load_part(sKr0, kv_ptr, nrows_a, nxt, hi, L, R, D, LOADR)
+                    _load_part(sKn0.slice(0, LH, dim=1), kv_ptr, nrows_a, nxt, hi, 0, LH, D, LOAD,
+                               PAGE_SIZE)
+                    _load_part(sKr0, kv_ptr, nrows_a, nxt, hi, L, R, D, LOADR, PAGE_SIZE)
                     async_copy.mbarrier_arrive(full0, increment_count=False)
                 # V1's left half: warpgroup 1's scores on buffer 1 are done (it published P1).
                 _convert_v(sV0, sKn1.slice(0, LH, dim=1), LOAD)
@@ -325,7 +349,7 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 if j + 1 < n_pairs:
                     _load_part(sKn1.slice(0, LH, dim=1), kv_ptr, nrows_b, nxt + BLOCK_N, hi, 0,
-                               LH, D, LOAD)
+                               LH, D, LOAD, PAGE_SIZE)
                     async_copy.mbarrier_arrive(full1, increment_count=False)
             else:
                 mbarrier.wait(full1, ph)
@@ -336,7 +360,8 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                                   sKn0.slice(LH, LH, dim=1), LOAD, SPLIT_Q, SPLIT_ACC)
                 pos = start + offs_n
                 keep = (pos[None, :] < hi) & (pos[None, :] < bound[:, None])
-                s = gl.where(keep, _scaled(s, qk, SPLIT_Q), float("-inf"))
+                s = gl.where(keep, _scaled(s, qk_scale, sRS, ROLE + _opaque(pc * 0), ROW_S,
+                                           SPLIT_Q), float("-inf"))
                 mbarrier.wait(p0bar, ph)
                 m0 = sM_you.load(ROW_S)
                 rs0 = sS_you.load(ROW_S)
@@ -357,7 +382,7 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                 # Buffer 0's right half: converted, and warpgroup 0's scores were done (P0).
                 if j + 1 < n_pairs:
                     _load_part(sKn0.slice(LH, LH, dim=1), kv_ptr, nrows_a, nxt, hi, LH, LH, D,
-                               LOAD)
+                               LOAD, PAGE_SIZE)
                     async_copy.mbarrier_arrive(full0, increment_count=False)
                 sP1.store(pb)
                 sM_me.store(m1)
@@ -376,15 +401,17 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 if j + 1 < n_pairs:
                     _load_part(sKn1.slice(LH, LH, dim=1), kv_ptr, nrows_b, nxt + BLOCK_N, hi, LH,
-                               LH, D, LOAD)
-                    _load_part(sKr1, kv_ptr, nrows_b, nxt + BLOCK_N, hi, L, R, D, LOADR)
+                               LH, D, LOAD, PAGE_SIZE)
+                    _load_part(sKr1, kv_ptr, nrows_b, nxt + BLOCK_N, hi, L, R, D, LOADR, PAGE_SIZE)
                     async_copy.mbarrier_arrive(full1, increment_count=False)
             pc += 1
         if ROLE == 1:
             mbarrier.arrive(qfree)
 
-        _write_back(ROLE, acc, m_i, l_i, o_scale, offs_m, t_s, hb, ploc, qo_start, out_ptr,
-                    lse_ptr, part_out_ptr, part_lse_ptr, H, Q, HB, L, O_L, L2_HINTS, True)
+        z = _opaque(w * 0)  # the write-back's rows made here, not held through the loops
+        _write_back(ROLE, acc, m_i, l_i, o_scale, offs_m + z, (offs_m + z) // HB, hb, ploc,
+                    qo_start, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H, Q, HB, L, O_L,
+                    L2_HINTS, True, z)
 
 
 @gluon.jit
@@ -432,6 +459,7 @@ def mla_decode_sm90_fp8_kernel(
     sKr = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N, R], NV8R)
     sV = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, LH], NV16)
     sP = gl.allocate_shared_memory(gl.float16, [2, BLOCK_M, BLOCK_N], NV16)
+    sRS = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], VEC)  # row scales, a role each
     sM0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     sS0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
     sM1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
@@ -441,12 +469,12 @@ def mla_decode_sm90_fp8_kernel(
     gl.warp_specialize(
         [(_role, (gl.constexpr(0), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
-                  kv_scale_ptr + 1, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES,
+                  kv_scale_ptr, sRS, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES,
                   Q, HB, L, R, PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES, SPLIT_Q,
                   SPLIT_ACC)),
          (_role, (gl.constexpr(1), hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, work_ptr,
                   qk_scale, o_scale, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sQn, sQr,
-                  kv_scale_ptr + 1, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES,
+                  kv_scale_ptr, sRS, sKn, sKr, sV, sP, sM0, sS0, sM1, sS1, bars, H, MAX_PAGES,
                   Q, HB, L, R, PAGE_SIZE, TILE_IN_PAGE, L2_HINTS, NUM_PAGES, SPLIT_Q,
                   SPLIT_ACC))],
         [4], [WORKER_REGS])
