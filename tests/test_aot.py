@@ -173,8 +173,8 @@ from jax_mla.backends.triton import TritonTuning, compiler, ffi_launch
 from jax_mla.backends.triton import plan as plan_mod
 out = {}
 for once in (True, False):
-    plan_mod.TritonTuning.from_env = classmethod(
-        lambda cls, once=once: TritonTuning(fp8_convert_once=once))
+    plan_mod.TritonTuning.from_env = classmethod(  # the Triton tile: no split-query kernel
+        lambda cls, once=once: TritonTuning(fp8_convert_once=once, sm90_split_q=False))
     [(row, job)] = [rj for rj in aot.variants("sm_90", (16,), (1,), ("fp8",), 8)
                     if rj[0]["kernel"] == "decode"]
     module, name = job.kernel.split(":")
@@ -196,7 +196,8 @@ print(json.dumps(out))
 
 @needs_cuda
 def test_sm90_fp8_tile_is_converted_once_where_it_was_loaded():
-    """``CVT_ONCE`` (the default on CUDA): the fp8 tile goes to 16 bits once, in its load
+    """``CVT_ONCE`` (the default on CUDA): the Triton fp8 tile (the split-query kernel forced
+    off, as at page sizes the Gluon kernel does not take) goes to 16 bits once, in its load
     layout, and both products read it through ``ldmatrix``; Triton's own placement converts
     it per product and reads the ``V`` operand from shared memory one byte at a time."""
     from conftest import run_compiler_script
@@ -214,9 +215,8 @@ def test_sm90_gluon_fp8_kernel_fits():
     """An fp8 query against an fp8 cache takes the Gluon fp8 kernel (``decode_sm90_fp8.py``, the
     default on Hopper) at 64-row tiles and, as 64-row programs, at 16 rows or fewer: about
     189 KiB of shared memory and no spills, where the Triton 64-row tile spilled 212-928 bytes
-    under triton 3.9. (Under 3.9 it
-    spills 16 bytes at a few head counts that are not a power of two: 40 and 96 heads at
-    ``Q = 2``, 96 at ``Q = 4``; docs/aot.md.)"""
+    under triton 3.9. (Under 3.9 it spilled 16 bytes at 40 and 96 heads, ``Q = 2`` and 4, until
+    2026-12-06; none since, at those head counts either; docs/aot.md.)"""
     rows = check_fits("sm_90", "--heads", "16,128", "--qlen", "1,4", "--dtypes", "fp8q",
                       kernels={"decode", "verify"})
     gluon = [r for r in rows if r["function"] == "mla_decode_sm90_fp8_kernel"]

@@ -209,7 +209,9 @@ def _scaled(s, qk_scale, sRS, i, ROW_S: gl.constexpr, SPLIT_Q: gl.constexpr):
     """The scores times their scale: ``qk_scale`` for the tile, or with ``SPLIT_Q`` one a row,
     read from ``sRS.index(i)`` a tile at a time (``i`` opaque, so that the read stays in the
     loop: held in registers through it, the scales pushed triton 3.9's ptxas into spilling).
-    The thread that stored a row's scale reads it: no barrier."""
+    A row's scale is read by the threads that stored it (its replicas in one quad store the same
+    value), so the store needs no barrier; the warpgroup barrier of every tile orders a work's
+    last read before the next work's store."""
     if SPLIT_Q:
         return s * sRS.index(i).load(ROW_S)[:, None]
     else:
