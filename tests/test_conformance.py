@@ -451,6 +451,7 @@ def test_sm90_kernels_read_pages_outside_the_cache_as_the_nearest(rng, num_heads
     md = jax_mla.build_decode_metadata(jnp.asarray(table), case.seq_lens, page_size=page_size,
                                        qlen=1, num_heads=num_heads, q_dtype=q.dtype,
                                        kv_dtype=cache.dtype, backend="triton")
+    assert md.plan.kernel.sm90, md.plan.kernel  # a Gluon kernel, not a Triton tile
 
     @jax.jit
     def step(q, cache, md):

@@ -326,10 +326,10 @@ def planner_table(rows) -> str:
 
 
 def ncu_table(rows) -> str:
-    """``ncu*.json`` (``python -m jax_mla.bench.ncu``): each case's kernels of 2 µs or more
-    (XLA's small fusions summed into one line), with Nsight Compute's figures: duration, SM
-    and tensor-pipe busy fractions, DRAM throughput and bytes read, registers, achieved warps
-    and the three largest stall reasons (cycles a warp waits per issued instruction)."""
+    """``ncu*.json`` (``python -m jax_mla.bench.ncu``): each case's kernels, XLA's fusions under
+    10 µs summed into one line, with Nsight Compute's figures: duration, SM and tensor-pipe busy
+    fractions, DRAM throughput and bytes read, registers, achieved warps and the three largest
+    stall reasons (cycles a warp waits per issued instruction)."""
     def pct(k, key):
         return f"{k[key]:.1f}" if k.get(key) is not None else "-"
 
@@ -342,13 +342,11 @@ def ncu_table(rows) -> str:
         for k in big:
             stalls = ", ".join(f"{n} {v:.2f}" for n, v in list(k.get("stalls", {}).items())[:3])
             read = k.get("dram_read_bytes")
+            read = "-" if read is None else f"{read / 1e6:.1f}"
             out.append(f"| {r['case']} | {_kernel_name(k['kernel'])} | {k.get('us', 0):.1f} | "
                        f"{pct(k, 'sm_pct')} | {pct(k, 'tensor_pct')} | {pct(k, 'dram_pct')} | "
-                       f"{read / 1e6:.1f} | " if read is not None else
-                       f"| {r['case']} | {_kernel_name(k['kernel'])} | {k.get('us', 0):.1f} | "
-                       f"{pct(k, 'sm_pct')} | {pct(k, 'tensor_pct')} | {pct(k, 'dram_pct')} | - | ")
-            out[-1] += (f"{k.get('registers', 0):.0f} | {pct(k, 'warps_active_pct')} | "
-                        f"{stalls} |")
+                       f"{read} | {k.get('registers', 0):.0f} | {pct(k, 'warps_active_pct')} | "
+                       f"{stalls} |")
         if small:
             out.append(f"| {r['case']} | {len(small)} XLA kernels under 10 µs | "
                        f"{sum(k.get('us', 0) for k in small):.1f} | | | | | | | |")
