@@ -190,11 +190,11 @@ def _work(work_ptr, kv_indptr_ptr, bt_ptr, w, MAX_PAGES: gl.constexpr):
 def _write_back(ROLE: gl.constexpr, acc, m_i, l_i, o_scale, offs_m, t_s, hb, ploc, qo_start,
                 out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, H: gl.constexpr,
                 Q: gl.constexpr, HB: gl.constexpr, L: gl.constexpr, O_L: gl.constexpr,
-                L2_HINTS: gl.constexpr, SCALED: gl.constexpr, z=0):
+                L2_HINTS: gl.constexpr, SCALED: gl.constexpr, z):
     """A work's end: this warpgroup's half of the output columns (times ``o_scale`` where
     ``SCALED``), final or a split partial; warpgroup 0 also writes the LSE. Empty rows: out 0,
-    LSE -inf. ``z``: 0, or an opaque 0 (``_opaque``) that keeps the rows' heads and tokens
-    from being hoisted out of the work loop and held through it."""
+    LSE -inf. ``z``: 0, or an opaque 0 (``_opaque``: the fp8 kernel's) that keeps the rows'
+    heads and tokens from being hoisted out of the work loop and held through it."""
     LH: gl.constexpr = L // 2
     col0: gl.constexpr = ROLE * LH
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
@@ -438,7 +438,7 @@ def _role(ROLE: gl.constexpr, hb, w0, w1, q_ptr, kv_ptr, bt_ptr, kv_indptr_ptr, 
             mbarrier.arrive(qfree)
 
         _write_back(ROLE, acc, m_i, l_i, 1.0, offs_m, t_s, hb, ploc, qo_start, out_ptr, lse_ptr,
-                    part_out_ptr, part_lse_ptr, H, Q, HB, L, O_L, L2_HINTS, False)
+                    part_out_ptr, part_lse_ptr, H, Q, HB, L, O_L, L2_HINTS, False, 0)
 
 
 @gluon.jit
