@@ -137,7 +137,7 @@ def child(case: str) -> None:
     import numpy as np
 
     if who in ("jax_mla", "flashmla"):
-        from jax_mla.bench import decode, peers
+        from jax_mla.bench import ab, decode, peers
 
         shape = decode.Shape.parse(spec)
         fn, args = decode.attention_call(shape, np.random.default_rng(0))
@@ -150,8 +150,8 @@ def child(case: str) -> None:
         if peers.flashmla() is None:
             raise SystemExit("FlashMLA is not built here")
         q, cache, _ = args
-        table, lens = decode.make_inputs(shape, np.random.default_rng(0))[2:4]
-        fm = peers.FlashMLA(q, cache, table, lens, qlen=shape.qlen, scale=decode.DEEPSEEK_SCALE)
+        fm = peers.FlashMLA(q, cache, *ab.inputs(shape), qlen=shape.qlen,
+                            scale=decode.DEEPSEEK_SCALE)
         _measured(fm.call, lambda _: torch.cuda.synchronize())
         return
     b, h, s = (int(x) for x in spec.split(","))
@@ -162,12 +162,10 @@ def child(case: str) -> None:
         import jax.numpy as jnp
 
         from jax_mla import mla_prefill
+        from jax_mla.bench import prefill
 
-        key = jax.random.split(jax.random.key(0), 3)
-        q = jax.random.normal(key[0], (b * s, h, 192), jnp.bfloat16)
-        k = jax.random.normal(key[1], (b * s, h, 192), jnp.bfloat16)
-        v = jax.random.normal(key[2], (b * s, h, 128), jnp.bfloat16)
-        cu = jnp.arange(b + 1, dtype=jnp.int32) * s
+        shape = prefill.uniform(b, s, h)
+        q, k, v, cu = prefill._inputs(shape, jnp.bfloat16, jax.random.key(0))
         f = jax.jit(functools.partial(mla_prefill, scale=scale, causal=True, max_seqlen=s,
                                       backend="triton"))
         _measured(lambda: f(q, k, v, cu), jax.block_until_ready)
@@ -220,17 +218,6 @@ def profile_case(case: str, ncu: str, timeout: int, workdir: str) -> dict:
     return row
 
 
-def summary(row: dict) -> str:
-    lines = [f"{row['case']}: rc {row.get('rc')}, {row.get('seconds')} s"]
-    for k in row.get("kernels", []):
-        stalls = ", ".join(f"{n} {v:.2f}" for n, v in list(k.get("stalls", {}).items())[:4])
-        lines.append(
-            f"  {k['kernel'][:48]:<48} {k.get('us', 0):8.1f} us  SM {k.get('sm_pct', 0):5.1f}%  "
-            f"tensor {k.get('tensor_pct', 0):5.1f}%  DRAM {k.get('dram_pct', 0):5.1f}%  "
-            f"regs {k.get('registers', 0):.0f}  stalls: {stalls}")
-    return "\n".join(lines + [f"  {ln}" for ln in row.get("log", [])])
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
@@ -244,13 +231,16 @@ def main(argv=None) -> int:
     if not argv:
         print(__doc__)
         return 2
+    from jax_mla.bench import report
+
     path, cases = argv[0], argv[1:] or list(DEFAULT_CASES)
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for case in cases:
             rows.append(profile_case(case, ncu, timeout, workdir))
-            print(summary(rows[-1]), flush=True)
+            print(report.ncu_table(rows[-1:]), *rows[-1].get("log", []), sep="\n",
+                  flush=True)
             with open(path, "w") as f:  # after every case: a call cut short keeps what ran
                 json.dump(rows, f, indent=1)
     return 0
