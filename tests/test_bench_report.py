@@ -44,6 +44,19 @@ def test_ab_and_command_buffer_sections(tmp_path):
         "## Command buffers around")
 
 
+def test_ab_table_shows_the_donated_stream_time_where_measured():
+    rng = np.random.default_rng()
+    rows = [_ab_row(rng, "B8 H16 S4096 Q1 p64", v) for v in ("ffi", "flashmla")]
+    assert "donated" not in report.ab_table(rows)
+    rows[0]["donated_best_us"] = float(rng.uniform(10, 900))
+    text = report.ab_table(rows)
+    r, peer = rows
+    assert (f"| {r['shape']} | ffi | {r['best_us']:.1f} | {r['donated_best_us']:.1f} | "
+            f"{r['vs_first']:.3f} |") in text
+    assert f"| {peer['shape']} | flashmla | {peer['best_us']:.1f} | - | " in text
+    assert all(line.count("|") == 9 for line in text.splitlines())
+
+
 def test_empty_folder_has_no_sections(tmp_path):
     assert "## " not in report.report(str(tmp_path))
 

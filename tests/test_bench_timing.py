@@ -53,6 +53,27 @@ def test_device_time_runs_on_cpu():
     assert 0 < t < 1.0
 
 
+def test_donated_chain_writes_its_output_into_the_buffers_passed_in():
+    def call(q, c):
+        return (q.reshape(-1, 16) @ c.T, q.sum(-1))
+
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((8, 4, 16)), jnp.float32)
+    c = jnp.asarray(np.random.default_rng(1).standard_normal((32, 16)), jnp.float32)
+    many = timing.chained(call, 3, donated=True)
+    sink = jax.jit(call)(q, c)
+    text = many.lower(sink, q, c).compile().as_text()
+    # Both outputs alias the donated sink (XLA writes them there), and every call is kept.
+    assert text.count(" dot(") == 3
+    assert "input_output_alias={ {0}: (0, {}" in text and "{1}: (1, {}" in text
+    want = timing.chained(call, 3)(q, c)
+    got = many(sink, q, c)
+    assert sink[0].is_deleted()
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    t = timing.device_time(call, q, c, min_ms=0.5, reps=2, donated=True)
+    assert 0 < t < 1.0
+
+
 def test_decode_rows_carry_both_timers_and_match_xla(monkeypatch):
     import functools
 

@@ -4,8 +4,10 @@
 ``name`` (the defaults) or ``name:FIELD=VALUE[,FIELD=VALUE]`` with fields of
 :class:`jax_mla.TritonTuning` (``general:affine_reduce=0``, ``line:split_plan=line``,
 ``bn32:block_n=32,num_stages=3``, ``ffi:launcher=ffi,planner=kernel``); a SHAPE is
-``B,H,S[,Q[,PAGE[,KV]]]``; ``--no-peers`` leaves FlashMLA out. Each variant is its own plan
-(the tuning object is part of it, so of the jit cache key): no environment, no cleared caches.
+``B,H,S[,Q[,PAGE[,KV]]]``; ``--no-peers`` leaves FlashMLA out; ``--donated`` also times each
+variant's chain with its output buffers donated run to run (``timing.device_time``). Each
+variant is its own plan (the tuning object is part of it, so of the jit cache key): no
+environment, no cleared caches.
 For every shape the variants are timed in turn, ``--rounds`` times over (interleaved, so drift
 shows), and every output is compared with the first variant's.
 """
@@ -48,16 +50,17 @@ def parse_variant(text: str) -> tuple[str, TritonTuning]:
 
 
 def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
-        peers: bool = True, on_rows=None) -> list[dict]:
+        peers: bool = True, on_rows=None, donated: bool = False) -> list[dict]:
     """Rows of ``{shape, variant, us (rounds), best_us, vs_first, rel_err_vs_first,
     metadata_us, ...}``; with ``gpu_time`` (CUPTI) also ``gpu_us``, ``launches``,
     ``kernels_us``, the metadata's ``metadata_gpu_us`` / ``metadata_launches`` /
     ``metadata_memcpys`` and the compiled call's command buffers. With ``peers``, a
     ``flashmla`` row on the first variant's buffers where FlashMLA is built
-    (``peers.py``). Every stream time is taken before any CUPTI trace: once CUPTI has traced
-    a process, every launch in it costs more. ``on_rows(rows)`` is called with the rows so far
-    after each shape and each shape's GPU times (``main`` writes them: a run cut short keeps
-    what it measured)."""
+    (``peers.py``). With ``donated``, our rows also carry ``donated_us`` (rounds) and
+    ``donated_best_us``: the stream time with the chain's outputs donated run to run. Every
+    stream time is taken before any CUPTI trace: once CUPTI has traced a process, every launch
+    in it costs more. ``on_rows(rows)`` is called with the rows so far after each shape and
+    each shape's GPU times (``main`` writes them: a run cut short keeps what it measured)."""
     on_rows = on_rows or (lambda rows: None)
     gpu_time = profile.available() if gpu_time is None else gpu_time
     names = [name for name, _ in variants]
@@ -68,10 +71,13 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
         builds = {name: (builder(shape, tuning=tuning), inputs(shape)) for name, tuning in variants}
         fm = _flashmla(shape, calls[names[0]][1], *builds[names[0]][1]) if peers else None
         times = {name: [] for name in names + (["flashmla"] if fm else [])}
+        kept = {name: [] for name in names}
         for _ in range(rounds):
             for name in names:
                 fn, args = calls[name]
                 times[name].append(device_time(fn, *args, min_ms=20) * 1e6)
+                if donated:
+                    kept[name].append(device_time(fn, *args, min_ms=20, donated=True) * 1e6)
             if fm:
                 times["flashmla"].append(fm.stream_time() * 1e6)
         outs = {name: _outputs(*calls[name]) for name in names}
@@ -93,8 +99,12 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
                 build, (table, lens) = builds[name]
                 row["tuning"] = dataclasses.asdict(tuning)
                 row["metadata_us"] = metadata_time(build, table, lens, min_ms=5) * 1e6
+                if donated:
+                    row.update(donated_us=kept[name], donated_best_us=min(kept[name]))
             rows.append(row)
-            print(f"{shape.name:<28} {name:<12} best {row['best_us']:8.1f} us "
+            kept_text = (f" (outputs donated {row['donated_best_us']:8.1f} us)"
+                         if "donated_best_us" in row else "")
+            print(f"{shape.name:<28} {name:<12} best {row['best_us']:8.1f} us{kept_text} "
                   f"x{row['vs_first']:.3f} err {row['rel_err_vs_first']:.1e}", flush=True)
         cases.append((shape, calls, builds, fm))
         on_rows(rows)
@@ -154,7 +164,8 @@ def main(argv=None) -> int:
         rounds = int(argv[i + 1])
         del argv[i:i + 2]
     with_peers = "--no-peers" not in argv
-    argv = [a for a in argv if a != "--no-peers"]
+    donated = "--donated" in argv
+    argv = [a for a in argv if a not in ("--no-peers", "--donated")]
     path, rest = argv[0], argv[1:]
     split = rest.index("--")
     variants = [parse_variant(v) for v in rest[:split]]
@@ -163,7 +174,7 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 
-    write(run(shapes, variants, rounds, peers=with_peers, on_rows=write))
+    write(run(shapes, variants, rounds, peers=with_peers, on_rows=write, donated=donated))
     return 0
 
 

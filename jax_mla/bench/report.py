@@ -156,12 +156,16 @@ def update_modes_table(by_mode: dict) -> str:
 
 
 def ab_table(rows) -> str:
-    out = ["| shape | variant | best stream µs | × first | GPU µs | rel err vs first | "
-           "LSE max abs err vs first |", "|---|---|---|---|---|---|---|"]
+    # A run with ``--donated`` has one more stream column: the chain's outputs donated.
+    kept = any("donated_best_us" in r for r in rows)
+    out = ["| shape | variant | best stream µs | " + ("outputs donated µs | " if kept else "")
+           + "× first | GPU µs | rel err vs first | LSE max abs err vs first |",
+           "|---|---|---|---|---|---|---|" + ("---|" if kept else "")]
     for r in rows:
         # "-": not compared (rows of separate processes)
         out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
-                   f"{r['vs_first']:.3f} | {_f(r.get('gpu_us'))} | "
+                   + (f"{_f(r.get('donated_best_us'))} | " if kept else "")
+                   + f"{r['vs_first']:.3f} | {_f(r.get('gpu_us'))} | "
                    f"{_e(r.get('rel_err_vs_first'))} | {_e(r.get('lse_max_abs_err_vs_first'))} |")
     return "\n".join(out)
 
@@ -184,6 +188,8 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
              "machine, one call)"),
             ("record_ab.json", "Our launches captured into command buffers (`ffi`, the default) "
              "or recorded through XLA's record stage (`record`) (same run)"),
+            ("donated_ab.json", "Stream time with fresh output buffers each run (`best "
+             "stream`) and with the chain's outputs donated run to run (same run)"),
             ("stream_execute.json", "Stream time, XLA's execute stage only (one process)"),
             ("stream_initialize.json",
              "Stream time, XLA's initialize stage registered too (another process)"))

@@ -44,7 +44,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
   with the planning kernel) at :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both
-  timers, metadata, command buffers, into ``launcher_ab.json``; ``record``: our launches
+  timers (the stream time also with the chain's outputs donated), metadata, command buffers,
+  into ``launcher_ab.json``; ``record``: our launches
   captured or recorded through XLA's record stage (:data:`RECORD_AB`, ``record_ab.json``).
 - ``ncu``: Nsight Compute's counters for one call's kernels, ours beside FlashMLA's and cuDNN's
   (``jax_mla.bench.ncu``, ``ncu.json``; the cases after ``--``).
@@ -477,7 +478,8 @@ def stage_record(shapes):
 def stage_launcher(shapes):
     lib = _ffi_library()
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "launcher_ab.json"),
-             *LAUNCHER_VARIANTS, "--", *(shapes or LAUNCHER_SHAPES)], 560, "launcher ab",
+             *LAUNCHER_VARIANTS, "--", *(shapes or LAUNCHER_SHAPES), "--donated"], 560,
+            "launcher ab",
             JAX_MLA_FFI_LIBRARY=lib)
 
 

@@ -46,7 +46,12 @@ def _feed(args, out):
     return jax.tree.unflatten(tree, leaves)
 
 
-def chained(fn, n):
+def chained(fn, n, donated: bool = False):
+    """``fn`` called ``n`` times, each call fed the previous one's output (module docstring),
+    as one jitted program. ``donated``: the program takes one more first argument, a pytree
+    shaped like the output, donated and ignored, so that the output is written into the
+    buffers passed in (:func:`device_time` passes the last run's output back)."""
+
     def many(*args):
         # The barrier materialises each call's output: XLA cannot fuse consecutive calls
         # (a chain of elementwise ops would otherwise become one pass over memory).
@@ -56,7 +61,10 @@ def chained(fn, n):
             out = jax.lax.optimization_barrier(fn(*args))
         return out
 
-    return jax.jit(many)
+    if not donated:
+        return jax.jit(many)
+    # keep_unused: jax would otherwise drop the unread sink, and its donation with it.
+    return jax.jit(lambda sink, *args: many(*args), donate_argnums=0, keep_unused=True)
 
 
 def _wall(f, args):
@@ -81,17 +89,32 @@ def smoke() -> None:
 
 
 def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
-                max_n: int = 128) -> float:
-    """Median seconds per call of ``fn(*args)`` (see the module docstring)."""
+                max_n: int = 128, donated: bool = False) -> float:
+    """Median seconds per call of ``fn(*args)`` (see the module docstring).
+
+    ``donated``: each run's output is written into the buffers of the run before (donated),
+    as a CUDA graph replayed on fixed buffers writes into the same ones. Otherwise every run
+    gets fresh output buffers; where XLA has put the calls into a command buffer, a moved
+    output makes it update the buffer's commands on the host before the replay, and that
+    host time is part of the wall time."""
     min_ms = MIN_MS if min_ms is None else min_ms
     reps = REPS if reps is None else reps
     one = jax.jit(fn)
     jax.block_until_ready(one(*args))
     est = min(_wall(one, args) for _ in range(EST_CALLS))
     n = int(max(2, min(max_n, (min_ms * 1e-3) // max(est, 1e-6))))
-    many = chained(fn, n)
-    jax.block_until_ready(many(*args))
-    return statistics.median(_wall(many, args) for _ in range(reps)) / n
+    if not donated:
+        many = chained(fn, n)
+        jax.block_until_ready(many(*args))
+        return statistics.median(_wall(many, args) for _ in range(reps)) / n
+    many = chained(fn, n, donated=True)
+    sink = jax.block_until_ready(many(one(*args), *args))
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sink = jax.block_until_ready(many(sink, *args))
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls) / n
 
 
 def dispatch_time(fn, *args, n: int | None = None, reps: int | None = None) -> float:
