@@ -137,3 +137,18 @@ def test_split_probe_section(tmp_path):
         real = f"{r['real']['rel_err']:.1e}" + (" (3 NaN rows)" if r["real"]["nan_rows"] else "")
         assert (f"| {r['case']} | {r['split_rel_err']:.1e} | {r['lo_nonzero']:.3f} | {real} | "
                 f"{r['hi_zero']['rel_err']:.1e} |") in text, r
+
+
+def test_memcheck_section_names_every_case_and_try(tmp_path):
+    rows = [{"test": "tests/test_bad_values.py::test_x[triton]", "result": "passed",
+             "errors": 0, "tries": [{"rc": -11, "seconds": 3.2, "errors": None,
+                                     "outcome": "signal"},
+                                    {"rc": 0, "seconds": 9.6, "errors": 0,
+                                     "outcome": "passed"}]},
+            {"test": "tests/test_conformance.py::test_y", "result": "signal", "errors": None,
+             "tries": [{"rc": -11, "seconds": 4.0, "errors": None, "outcome": "signal"}]}]
+    (tmp_path / "memcheck.json").write_text(json.dumps(rows))
+    text = report.report(str(tmp_path))
+    assert "## compute-sanitizer memcheck" in text
+    assert "| `test_bad_values.py::test_x[triton]` | passed | 0 | signal 3, passed 10 |" in text
+    assert "| `test_conformance.py::test_y` | signal | - | signal 4 |" in text

@@ -195,6 +195,17 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
              "Stream time, XLA's initialize stage registered too (another process)"))
 
 
+def memcheck_table(rows) -> str:
+    """``memcheck.json`` (the session's ``memcheck_conformance`` stage): one sanitized process a
+    case; every try's outcome, the last one's the result."""
+    out = ["| case | result | memcheck errors | tries (outcome, s) |", "|---|---|---|---|"]
+    for r in rows:
+        tries = ", ".join(f"{t['outcome']} {t['seconds']:.0f}" for t in r["tries"])
+        errors = "-" if r["errors"] is None else r["errors"]
+        out.append(f"| `{r['test'].split('/')[-1]}` | {r['result']} | {errors} | {tries} |")
+    return "\n".join(out)
+
+
 def split_probe_table(rows) -> str:
     """``split_probe.json`` (``python -m jax_mla.bench.split_probe``): per case, the split's own
     error on the device, the share of nonzero low parts, and each made-parts variant's error
@@ -442,6 +453,12 @@ def report(folder: str) -> str:
         if traced:
             parts += ["### The host's time a chained call, by profiler event", "",
                       host_events_table(traced), ""]
+    mc = _load(folder, "memcheck.json")
+    if mc:
+        parts += ["## compute-sanitizer memcheck, one process a case", "",
+                  "Only our kernels (`mla_*`) instrumented; command buffers and GEMM autotuning "
+                  "off; a process that died of a signal was run again.", "",
+                  memcheck_table(mc), ""]
     for file, title in (("ncu.json", "Nsight Compute: our kernels"),
                         ("ncu_peers.json", "Nsight Compute: the peers' kernels"),
                         ("ncu_dram.json", "Nsight Compute: our kernels, with DRAM bytes")):

@@ -21,10 +21,10 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   (:data:`SM90_FP8_AB`); ``ab_pdl``: programmatic dependent launch on and off at
   :data:`PDL_AB_SHAPES`; ``stream_init``: stream times with and without XLA's initialize
   stage, a process each (:data:`STREAM_INIT_SHAPES`);
-- ``memcheck``: the Triton fuzz cases and conformance cases under compute-sanitizer, in the
-  background (``memcheck_wait`` waits for it; the session's end too); ``memcheck_fuzz``: the
-  fuzz cases alone, in the foreground; ``memcheck_conformance``: the conformance cases alone,
-  in sanitized shards side by side;
+- ``memcheck``: the Triton fuzz cases under compute-sanitizer, in the background
+  (``memcheck_wait`` waits for it; the session's end too); ``memcheck_fuzz``: the same in the
+  foreground; ``memcheck_conformance``: the Triton and Gluon conformance cases and the
+  bad-value tests, one sanitized process a case, into ``memcheck.json``;
 - ``graphs``: the command buffers XLA forms around our launches (:data:`GRAPH_SHAPES`);
   ``cmdbuf``: whether XLA captures them, read from its thunk dump and log, and the stream time
   with command buffers on, off and at any size (``jax_mla.bench.cmdbuf``); ``cmdbuf_chains``:
@@ -63,6 +63,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,7 +75,8 @@ T0 = time.time()
 KERNEL_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "64,16,4096,4",
                  "128,16,8192", "128,128,4096", "8,128,32768", "64,16,4096,1,64,fp8",
                  "128,128,4096,1,64,fp8")
-GAP_SHAPES = ("1,16,1024", "32,16,4096", "64,16,4096,4", "128,128,4096")
+GAP_SHAPES = ("1,16,1024", "1,128,1024", "8,16,4096", "32,16,4096", "64,16,4096,4",
+              "128,128,4096")
 AB_SHAPES = ("32,16,4096", "64,16,4096,4", "128,128,4096")
 AB_VARIANTS = ("base", "general:affine_reduce=0", "line:split_plan=line", "no_l2:l2_hints=0")
 LAUNCHER_SHAPES = ("1,16,1024", "1,128,1024", "32,16,4096", "64,16,4096", "128,16,8192",
@@ -527,19 +529,16 @@ def stage_graphs(_):
 
 
 MEMCHECK_RUNS = (
-    # name: pytest or script arguments (after ``python``), time limit in seconds. The fuzz runs
-    # take about 30 s each under the sanitizer; pytest's bad-value file did not finish one test
-    # in 240 s there (2026-12-05), so the conformance run gets a call of its own.
+    # name: script arguments (after ``python``), time limit in seconds. The fuzz runs take
+    # about 30 s each under the sanitizer; the conformance and bad-value cases run one a
+    # process (``memcheck_conformance``).
     ("fuzz_valid", ["tests/fuzz_cases.py", "valid", "triton", "8"], 150),
     ("fuzz_invalid", ["tests/fuzz_cases.py", "invalid", "triton", "12"], 150),
-    ("conformance_triton", ["-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "tests/test_conformance.py", "-k",
-                            "(triton or sm90) and not long_ragged"], 480),
 )
 _memcheck = None
 
 
-def _memcheck_runs(lib, runs=MEMCHECK_RUNS, kernels=None):
+def _memcheck_env(lib) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(JAX_MLA_FFI_LIBRARY=lib, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), "tests",
@@ -549,6 +548,11 @@ def _memcheck_runs(lib, runs=MEMCHECK_RUNS, kernels=None):
                # their arguments are the same launched one by one.
                XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
                           " --xla_gpu_enable_command_buffer=").strip())
+    return env
+
+
+def _memcheck_runs(lib, runs=MEMCHECK_RUNS, kernels=None):
+    env = _memcheck_env(lib)
     for name, args, limit in runs:
         path = os.path.join(OUT, f"memcheck_{name}.txt")
         cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
@@ -681,18 +685,36 @@ def stage_update_modes(_):
                 f"update mode {mode}", JAX_MLA_FFI_LIBRARY=lib, XLA_FLAGS=flags)
 
 
-def stage_memcheck_conformance(_):
-    """The Triton half of the conformance suite under the sanitizer, in the foreground, in
-    :data:`MEMCHECK_SHARDS` sanitized processes that run side by side (one by default); each
-    shard's log to ``memcheck_conformance_<i>.txt``."""
-    import concurrent.futures
+# The cases :func:`stage_memcheck_conformance` sanitizes: (pytest file, ``-k`` expression).
+MEMCHECK_CASES = (
+    ("tests/test_conformance.py", "triton or sm90"),
+    ("tests/test_bad_values.py", "triton or clamps"),
+)
+MEMCHECK_KERNELS = "kns=mla_"
+MEMCHECK_KERNEL_EXCLUDE = os.environ.get("JAX_MLA_MEMCHECK_KERNEL_EXCLUDE")
+MEMCHECK_CASE_LIMIT = int(os.environ.get("JAX_MLA_MEMCHECK_LIMIT", 60))
+MEMCHECK_TRIES = 3
 
-    name, args, _ = MEMCHECK_RUNS[2]
-    limit = MEMCHECK_CONFORMANCE_LIMIT
-    collected = subprocess.run([sys.executable, *args, "--collect-only"], capture_output=True,
-                               text=True, env={k: v for k, v in os.environ.items()
-                                               if k != "TRITON_INTERPRET"})
-    ids = [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
+
+def stage_memcheck_conformance(_):
+    """Every case of :data:`MEMCHECK_CASES` (the Triton and Gluon conformance cases, long ragged
+    ones included, and the bad-value tests on the Triton backend) under the sanitizer, one
+    process a case, one after another, in the foreground; a process that dies of a signal is
+    run again (up to :data:`MEMCHECK_TRIES` times). One row a case into ``memcheck.json``:
+    ``{test, result, errors, tries: [{rc, seconds, errors, outcome}]}``.
+
+    Why this shape: four sanitized processes side by side wrote nothing in 300 s, and one
+    process running many cases stalled (2026-12-05/06); one case a process finishes in 4-22 s
+    on an H100. On 2026-12-06 a third of the sanitized processes died of SIGSEGV within 3-4 s
+    of starting, before any of their output, and others running the same kind of case did
+    not: hence the retries, and a row keeps every try."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ids = []
+    for file, expr in MEMCHECK_CASES:
+        collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
+                                    "no:cacheprovider", "--collect-only", file, "-k", expr],
+                                   capture_output=True, text=True, env=env)
+        ids += [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
     # A rerun of some cases: ``JAX_MLA_MEMCHECK_ONLY`` names them by index in the collection
     # or by a piece of their test id (comma-separated; a piece takes every id it is in).
     only = os.environ.get("JAX_MLA_MEMCHECK_ONLY")
@@ -700,38 +722,65 @@ def stage_memcheck_conformance(_):
         ids = [x for key in only.split(",")
                for x in ([ids[int(key)]] if key.strip().isdigit() else
                          [i for i in ids if key.strip() in i])]
-    log(f"{len(ids)} conformance cases in {MEMCHECK_SHARDS} sanitized shards")
-    # ``-v``: a shard stopped at its time limit still names the cases it finished.
-    runs = [(f"conformance_{i}", ["-m", "pytest", "-v", "-p", "no:cacheprovider",
-                                  *ids[i::MEMCHECK_SHARDS]], limit)
-            for i in range(MEMCHECK_SHARDS) if ids[i::MEMCHECK_SHARDS]]
-    lib = _ffi_library()
-    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
-        list(pool.map(lambda run: _memcheck_runs(lib, [run], MEMCHECK_KERNELS), runs))
+    log(f"{len(ids)} cases, one sanitized process each")
+    lib, rows = _ffi_library(), []
+    for case in ids:
+        tries = []
+        while len(tries) < MEMCHECK_TRIES:
+            tries.append(_memcheck_case(lib, case))
+            if tries[-1]["outcome"] != "signal":
+                break
+        last = tries[-1]
+        rows.append({"test": case, "result": last["outcome"], "errors": last["errors"],
+                     "tries": tries})
+        log(f"memcheck {case}: {last['outcome']}, errors {last['errors']}, "
+            f"{len(tries)} tries, {last['seconds']:.0f} s")
+        with open(os.path.join(OUT, "memcheck.json"), "w") as f:
+            json.dump(rows, f, indent=1)
 
 
-# Four sanitized shards instrumenting every kernel wrote nothing in 300 s (2026-12-05): each
-# XLA module loaded is patched. Only our kernels are checked (all are named ``mla_*``); XLA's
-# own fusions run uninstrumented. With that, 18 of the 31 cases passed (0 errors) and the
-# Gluon 64-row cases did not finish in 390 s: ``JAX_MLA_MEMCHECK_SHARDS`` (one case a shard),
-# ``JAX_MLA_MEMCHECK_ONLY`` (case indices or pieces of test ids) and
-# ``JAX_MLA_MEMCHECK_KERNEL_EXCLUDE`` (a ``--kernel-name-exclude`` filter, e.g.
-# ``kns=mla_decode_sm90``) take them apart. On an H100 (2026-12-05) 9 of the 12 left passed
-# with 0 errors (2 with the Gluon kernel uninstrumented); 3 did not finish in 330-380 s. On
-# 2026-12-06 (H100) two of those three passed in 12 and 16 s, each in its own shard, while the
-# third shard, beside them, wrote nothing in 540 s; alone, minutes later on another machine,
-# that case passed sanitized in 4 s. Side-by-side sanitized processes are suspect, so the
-# default is one shard: every case in one process, one after another.
-MEMCHECK_SHARDS = int(os.environ.get("JAX_MLA_MEMCHECK_SHARDS", 1))
-MEMCHECK_KERNELS = "kns=mla_"
-MEMCHECK_KERNEL_EXCLUDE = os.environ.get("JAX_MLA_MEMCHECK_KERNEL_EXCLUDE")
-MEMCHECK_CONFORMANCE_LIMIT = int(os.environ.get("JAX_MLA_MEMCHECK_LIMIT", 390))
+def _memcheck_case(lib, case) -> dict:
+    """One sanitized pytest process for one test id: ``{rc, seconds, errors, outcome}``, the
+    outcome ``passed``, ``failed``, ``memcheck errors``, ``timeout`` or ``signal`` (the process
+    died of one; its sanitizer log and output tail go to ``$OUT/memcheck_signal.txt``)."""
+    log_path = os.path.join(OUT, "memcheck_case.txt")
+    env = _memcheck_env(lib)
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
+           "--kernel-name", MEMCHECK_KERNELS,
+           *(["--kernel-name-exclude", MEMCHECK_KERNEL_EXCLUDE]
+             if MEMCHECK_KERNEL_EXCLUDE else []),
+           "--log-file", log_path, sys.executable, "-m", "pytest", "-q", "-p",
+           "no:cacheprovider", case]
+    t = time.time()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=MEMCHECK_CASE_LIMIT,
+                           env=env)
+        rc, text = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired:
+        rc, text = None, ""
+    sanitizer = open(log_path).read() if os.path.exists(log_path) else ""
+    m = re.search(r"ERROR SUMMARY: (\d+) error", sanitizer)
+    errors = int(m.group(1)) if m else None
+    if rc is None:
+        outcome = "timeout"
+    elif errors:
+        outcome = "memcheck errors"
+    elif re.search(r"\b1 passed\b", text) and rc == 0:
+        outcome = "passed"
+    elif re.search(r"\b\d+ (failed|error)", text):
+        outcome = "failed"
+    else:
+        outcome = "signal"
+        with open(os.path.join(OUT, "memcheck_signal.txt"), "a") as f:
+            f.write(f"== {case} rc={rc}\n{sanitizer[-3000:]}\n-- output\n{text[-3000:]}\n")
+    return {"rc": rc, "seconds": round(time.time() - t, 1), "errors": errors,
+            "outcome": outcome}
 
 
 def stage_memcheck(_):
     """Under ``compute-sanitizer --tool memcheck`` (:data:`MEMCHECK_RUNS`): the fuzz suite's
-    valid and invalid problems (deliberately out-of-range block tables included) and the Triton
-    half of the conformance suite; each log to ``memcheck_*.txt``.
+    valid and invalid problems (deliberately out-of-range block tables included); each log to
+    ``memcheck_*.txt``.
     Started in the background (it needs little of the GPU and is not timed); the session waits
     for it before it ends, or at the ``memcheck_wait`` stage."""
     import threading
@@ -746,7 +795,7 @@ def stage_memcheck(_):
 def stage_memcheck_fuzz(_):
     """The fuzz suite's valid and invalid problems on the Triton backend under the sanitizer,
     in the foreground (nothing else runs on the GPU meanwhile)."""
-    _memcheck_runs(_ffi_library(), MEMCHECK_RUNS[:2])
+    _memcheck_runs(_ffi_library())
 
 
 def stage_memcheck_wait(_):
