@@ -146,9 +146,16 @@ def test_memcheck_section_names_every_case_and_try(tmp_path):
                                     {"rc": 0, "seconds": 9.6, "errors": 0,
                                      "outcome": "passed"}]},
             {"test": "tests/test_conformance.py::test_y", "result": "signal", "errors": None,
-             "tries": [{"rc": -11, "seconds": 4.0, "errors": None, "outcome": "signal"}]}]
+             "tries": [{"rc": -11, "seconds": 4.0, "errors": None, "outcome": "signal"}]},
+            {"test": "tests/test_conformance.py::test_z", "result": "passed", "errors": 0,
+             "tries": [{"call": "12th session", "rc": 0, "seconds": None, "errors": 0,
+                        "outcome": "passed"},
+                       {"call": 2, "rc": 139, "seconds": 3.6, "errors": None,
+                        "outcome": "signal"}]}]
     (tmp_path / "memcheck.json").write_text(json.dumps(rows))
     text = report.report(str(tmp_path))
     assert "## compute-sanitizer memcheck" in text
     assert "| `test_bad_values.py::test_x[triton]` | passed | 0 | signal 3, passed 10 |" in text
     assert "| `test_conformance.py::test_y` | signal | - | signal 4 |" in text
+    assert "| `test_conformance.py::test_z` | passed | 0 | 12th session: passed, 2: signal 4 |" \
+        in text

@@ -197,10 +197,13 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
 
 def memcheck_table(rows) -> str:
     """``memcheck.json`` (the session's ``memcheck_conformance`` stage): one sanitized process a
-    case; every try's outcome, the last one's the result."""
+    case; every try's outcome and seconds (after the call or session it ran in, where the
+    rows gather several), the last one's the result."""
     out = ["| case | result | memcheck errors | tries (outcome, s) |", "|---|---|---|---|"]
     for r in rows:
-        tries = ", ".join(f"{t['outcome']} {t['seconds']:.0f}" for t in r["tries"])
+        tries = ", ".join((f"{t['call']}: " if "call" in t else "") + t["outcome"]
+                          + ("" if t["seconds"] is None else f" {t['seconds']:.0f}")
+                          for t in r["tries"]) or "-"
         errors = "-" if r["errors"] is None else r["errors"]
         out.append(f"| `{r['test'].split('/')[-1]}` | {r['result']} | {errors} | {tries} |")
     return "\n".join(out)
@@ -457,7 +460,8 @@ def report(folder: str) -> str:
     if mc:
         parts += ["## compute-sanitizer memcheck, one process a case", "",
                   "Only our kernels (`mla_*`) instrumented; command buffers and GEMM autotuning "
-                  "off; a process that died of a signal was run again.", "",
+                  "off; a process that died of a signal was run again. Where the file gathers "
+                  "several calls or sessions, each try is named by the one it ran in.", "",
                   memcheck_table(mc), ""]
     for file, title in (("ncu.json", "Nsight Compute: our kernels"),
                         ("ncu_peers.json", "Nsight Compute: the peers' kernels"),
