@@ -33,7 +33,8 @@ def _fake_run(outcomes, calls):
         if kind == "timeout":
             raise subprocess.TimeoutExpired(cmd, timeout)
         out = {"passed": (0, "1 passed in 3.1s"), "failed": (1, "1 failed in 2.0s"),
-               "errors": (9, "1 passed in 3.0s"), "signal": (-11, "")}[kind]
+               "skipped": (0, "1 skipped in 0.4s"), "errors": (9, "1 passed in 3.0s"),
+               "signal": (-11, "")}[kind]
         return subprocess.CompletedProcess(cmd, out[0], out[1], "")
 
     return run
@@ -41,11 +42,12 @@ def _fake_run(outcomes, calls):
 
 def test_memcheck_stage_runs_a_process_a_case_and_retries_only_signals(tmp_path, monkeypatch):
     outcomes = {"c_ok": ["passed"], "c_flaky": ["signal", "signal", "passed"],
-                "c_dies": ["signal"] * 3, "c_bad": ["errors"], "b_fails": ["failed"],
-                "b_slow": ["timeout"]}
+                "c_dies": ["signal"] * 3, "c_bad": ["errors"], "c_skip": ["skipped"],
+                "b_fails": ["failed"], "b_slow": ["timeout"]}
     want = {"c_ok": ("passed", 1, 0), "c_flaky": ("passed", 3, 0),
             "c_dies": ("signal", 3, None), "c_bad": ("memcheck errors", 1, 2),
-            "b_fails": ("failed", 1, 0), "b_slow": ("timeout", 1, 0)}
+            "c_skip": ("skipped", 1, 0), "b_fails": ("failed", 1, 0),
+            "b_slow": ("timeout", 1, 0)}
     calls = []
     monkeypatch.setattr(session, "OUT", str(tmp_path))
     monkeypatch.setattr(session, "_ffi_library", lambda: "/nowhere/lib.so")
