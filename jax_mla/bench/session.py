@@ -551,15 +551,21 @@ def _memcheck_env(lib) -> dict:
     return env
 
 
-def _memcheck_runs(lib, runs=MEMCHECK_RUNS, kernels=None):
+def _sanitized(log_path, args, kernels=None) -> list:
+    """``python args`` under compute-sanitizer's memcheck, its report to ``log_path``; only
+    ``kernels`` (a ``--kernel-name`` filter) instrumented where given."""
+    return ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
+            *(["--kernel-name", kernels] if kernels else []),
+            *(["--kernel-name-exclude", MEMCHECK_KERNEL_EXCLUDE]
+              if MEMCHECK_KERNEL_EXCLUDE else []),
+            "--log-file", log_path, sys.executable, *args]
+
+
+def _memcheck_runs(lib, runs=MEMCHECK_RUNS):
     env = _memcheck_env(lib)
     for name, args, limit in runs:
         path = os.path.join(OUT, f"memcheck_{name}.txt")
-        cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
-               *(["--kernel-name", kernels] if kernels else []),
-               *(["--kernel-name-exclude", MEMCHECK_KERNEL_EXCLUDE]
-                 if MEMCHECK_KERNEL_EXCLUDE else []),
-               "--log-file", path, sys.executable, *args]
+        cmd = _sanitized(path, args)
         t = time.time()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
@@ -746,12 +752,8 @@ def _memcheck_case(lib, case) -> dict:
     tail go to ``$OUT/memcheck_signal.txt``) or ``no result``."""
     log_path = os.path.join(OUT, "memcheck_case.txt")
     env = _memcheck_env(lib)
-    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9",
-           "--kernel-name", MEMCHECK_KERNELS,
-           *(["--kernel-name-exclude", MEMCHECK_KERNEL_EXCLUDE]
-             if MEMCHECK_KERNEL_EXCLUDE else []),
-           "--log-file", log_path, sys.executable, "-m", "pytest", "-q", "-p",
-           "no:cacheprovider", case]
+    cmd = _sanitized(log_path, ["-m", "pytest", "-q", "-p", "no:cacheprovider", case],
+                     MEMCHECK_KERNELS)
     t = time.time()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=MEMCHECK_CASE_LIMIT,
