@@ -57,6 +57,64 @@ def test_ab_table_shows_the_donated_stream_time_where_measured():
     assert all(line.count("|") == 9 for line in text.splitlines())
 
 
+def test_ab_table_shows_runs_in_flight_and_flashmla_by_our_clock():
+    rng = np.random.default_rng()
+    rows = [_ab_row(rng, "B8 H16 S4096 Q1 p64", v) for v in ("ffi", "flashmla")]
+    r, peer = rows
+    r["in_flight_best_us"], peer["in_flight_best_us"], peer["wall_best_us"] = (
+        float(x) for x in rng.uniform(10, 900, 3))
+    text = report.ab_table(rows)
+    assert "runs in flight µs" in text and "our clock µs" in text
+    assert (f"| {r['shape']} | ffi | {r['best_us']:.1f} | - | {r['in_flight_best_us']:.1f} | "
+            f"{r['vs_first']:.3f} | {r['gpu_us']:.1f} | "
+            f"{r['in_flight_best_us'] / r['gpu_us']:.3f} |") in text
+    assert (f"| flashmla | {peer['best_us']:.1f} | {peer['wall_best_us']:.1f} | "
+            f"{peer['in_flight_best_us']:.1f} | ") in text
+    assert all(line.count("|") == 11 for line in text.splitlines())
+
+
+def test_launcher_and_decode_tables_add_runs_in_flight_where_measured():
+    rng = np.random.default_rng()
+    rows = [_ab_row(rng, "B1 H16 S1024 Q1 p64", v) for v in ("ffi", "flashmla")]
+    assert "in flight" not in report.launcher_table(rows)
+    r, peer = rows
+    r["in_flight_best_us"], peer["in_flight_best_us"], peer["wall_best_us"] = (
+        float(x) for x in rng.uniform(10, 900, 3))
+    text = report.launcher_table(rows)
+    assert (f"| ffi | {r['best_us']:.1f} | - | {r['in_flight_best_us']:.1f} | "
+            f"{r['gpu_us']:.1f} | {r['best_us'] / r['gpu_us']:.3f} | "
+            f"{r['in_flight_best_us'] / r['gpu_us']:.3f} |") in text
+    assert f"| flashmla | {peer['best_us']:.1f} | {peer['wall_best_us']:.1f} | " in text
+    assert len({line.count("|") for line in text.splitlines()}) == 1
+    row = {"shape": "B8 H16 S4096 Q1 p64", "backend": "triton", "us": 30.0, "gpu_us": 25.0,
+           "in_flight_us": float(rng.uniform(20, 40)), "kv_TBps": 1.0, "TFLOPs": 10.0}
+    data = {"environment": {}, "rows": [row, {"shape": "x", "backend": "xla", "error": "e"}]}
+    text = report.decode_table(data)
+    assert f"| triton | 30.0 | {row['in_flight_us']:.1f} | 25.0 |" in text
+    assert len({line.count("|") for line in text.splitlines()[-4:]}) == 1
+    del row["in_flight_us"]
+    assert "in flight" not in report.decode_table(data)
+
+
+def test_gaps_section_splits_our_kernels_from_the_timers(tmp_path):
+    import json
+
+    rng = np.random.default_rng()
+    k = {n: float(rng.uniform(0.1, 30)) for n in ("mla_decode", "mla_reduce_affine",
+                                                  "loop_dynamic_update_slice_fusion",
+                                                  "Memcpy DtoD (Device -> Device)")}
+    gaps = {n: float(rng.uniform(-0.1, 0.2)) for n in k}
+    row = {"shape": "B8 H16 S4096 Q1 p64", "span_us": sum(k.values()) + sum(gaps.values()),
+           "kernels_us": k, "gap_before_us": gaps, "launches": 4.0}
+    (tmp_path / "gaps.json").write_text(json.dumps([row]))
+    text = report.report(str(tmp_path))
+    ours = k["mla_decode"] + k["mla_reduce_affine"]
+    timer = sum(k.values()) - ours
+    assert "## The timing chain on the GPU's timeline" in text
+    assert (f"| {row['shape']} | {row['span_us']:.1f} | {ours:.1f} | {timer:.1f} | "
+            f"{sum(gaps.values()):.1f} | {row['span_us'] - timer:.1f} |") in text
+
+
 def test_empty_folder_has_no_sections(tmp_path):
     assert "## " not in report.report(str(tmp_path))
 

@@ -74,6 +74,43 @@ def test_donated_chain_writes_its_output_into_the_buffers_passed_in():
     assert 0 < t < 1.0
 
 
+def test_runs_in_flight_are_one_chain_fed_run_to_run():
+    x = jnp.asarray(np.random.default_rng().uniform(1, 2, 64), jnp.float32)
+    many = timing.chained(lambda a: a * 1.25, 3, fed=True)
+    # The previous run's output is the first call's input: three runs are nine calls.
+    out = x
+    for _ in range(3):
+        out = many(out, x)
+    np.testing.assert_allclose(out, np.asarray(x) * 1.25 ** 9, rtol=1e-6)
+    # An output unlike the first argument still reaches the next run, as a dependency.
+    text = timing.chained(lambda a: a.sum(), 2, fed=True).lower(x.sum(), x).compile().as_text()
+    assert text.count("reduce(") >= 2 and "compare(" in text
+    with pytest.raises(ValueError, match="exclusive"):
+        timing.chained(lambda a: a, 2, donated=True, fed=True)
+    with pytest.raises(ValueError, match="exclusive"):
+        timing.device_time(lambda a: a, x, donated=True, in_flight=True)
+    t = timing.device_time(lambda a: a * 2.0, x, min_ms=0.5, reps=2, in_flight=True)
+    assert 0 < t < 1.0
+
+
+def test_in_flight_time_divides_by_every_run_it_waited_for(monkeypatch):
+    import time
+
+    runs = []
+
+    def many(prev, *args):  # a run of 3 ms, dispatched synchronously
+        runs.append(prev)
+        time.sleep(3e-3)
+        return prev + 1
+
+    monkeypatch.setattr(timing, "IN_FLIGHT_MS", 30.0)
+    per_run = timing._in_flight(many, 0, (), reps=2)
+    # Two untimed runs (compile, then the one that sizes the timing), then 10 runs a rep.
+    assert len(runs) == 2 + 2 * 10 and runs == list(range(len(runs)))
+    assert 3e-3 <= per_run < 6e-3
+    assert timing.in_flight_runs(1.0) == 2 and timing.in_flight_runs(0.0) == 1024
+
+
 def test_decode_rows_carry_both_timers_and_match_xla(monkeypatch):
     import functools
 
@@ -81,6 +118,7 @@ def test_decode_rows_carry_both_timers_and_match_xla(monkeypatch):
 
     # Short chains and few dispatches: this checks the rows, not speed.
     monkeypatch.setattr(timing, "MIN_MS", 0.2)
+    monkeypatch.setattr(timing, "IN_FLIGHT_MS", 0.0)
     monkeypatch.setattr(decode, "dispatch_time", functools.partial(timing.dispatch_time, n=2,
                                                                    reps=1))
     if "triton" not in __import__("jax_mla").available_backends():
@@ -91,6 +129,7 @@ def test_decode_rows_carry_both_timers_and_match_xla(monkeypatch):
     assert [r["backend"] for r in rows] == ["xla", "triton"]
     for r in rows:
         assert r["us"] > 0 and r["kernel_us"] > 0 and r["metadata_us"] > 0, r
+        assert r["in_flight_us"] > 0, r
         assert r["rel_err_vs_xla"] < 1e-2, r
 
 
@@ -183,6 +222,55 @@ def test_ab_keeps_the_shapes_it_measured_when_a_later_one_fails(tmp_path, monkey
     assert rows[0]["shape"].startswith("B1 ") and rows[0]["best_us"] > 0, rows
 
 
+@pytest.mark.parametrize("peer_fails", [False, True])
+def test_ab_in_flight_times_every_row_and_flashmla_by_our_clock(tmp_path, monkeypatch,
+                                                                 peer_fails):
+    """``bench.ab --in-flight``: our rows and FlashMLA's carry the stream time with runs in
+    flight, FlashMLA's also its graph timed by our stream timer's wall clock. A FlashMLA
+    timing that fails (a graph capture broken, 2026-12-06) drops its row, not the run."""
+    import json
+
+    from jax_mla.bench import ab
+
+    if "triton" not in __import__("jax_mla").available_backends():
+        pytest.skip("needs the Triton backend")
+    monkeypatch.setattr(timing, "IN_FLIGHT_MS", 0.0)
+    rng = np.random.default_rng()
+    said = {k: float(rng.uniform(10, 90)) * 1e-6 for k in ("stream", "wall", "in_flight")}
+
+    class Peer:  # FlashMLA's row: our own outputs, its three timers
+        def __init__(self, args):
+            self.got = ab._outputs(*ab.attention_call(ab.Shape.parse("1,2,200"),
+                                                      np.random.default_rng(0)))
+
+        def outputs(self):
+            return self.got
+
+        stream_time = staticmethod(lambda: said["stream"])
+        in_flight_time = staticmethod(lambda: said["in_flight"])
+
+        @staticmethod
+        def wall_time():
+            if peer_fails:
+                raise RuntimeError("CUDA error: operation failed during capture")
+            return said["wall"]
+
+    monkeypatch.setattr(ab, "_flashmla", lambda shape, args, table, lens: Peer(args))
+    out = tmp_path / "ab.json"
+    ab.main([str(out), "--rounds", "1", "--in-flight", "base", "--", "1,2,200"])
+    if peer_fails:
+        (ours,) = json.loads(out.read_text())
+        assert ours["variant"] == "base" and ours["in_flight_best_us"] > 0
+        return
+    ours, peer = json.loads(out.read_text())
+    assert ours["variant"] == "base" and peer["variant"] == "flashmla"
+    assert ours["in_flight_best_us"] > 0 and "wall_best_us" not in ours
+    assert peer["best_us"] == pytest.approx(said["stream"] * 1e6)
+    assert peer["wall_best_us"] == pytest.approx(said["wall"] * 1e6)
+    assert peer["in_flight_best_us"] == pytest.approx(said["in_flight"] * 1e6)
+    assert peer["rel_err_vs_first"] == 0.0
+
+
 def _fake_flashmla():
     """FlashMLA's Python API over the float64 oracle, in FlashMLA's layouts: q ``[B, Q, H, D]``,
     cache ``[pages, 64, 1, D]``, out ``[B, Q, H, L]``, lse ``[B, H, Q]``."""
@@ -247,6 +335,30 @@ def test_flashmla_peer_reads_our_buffers_in_its_layout(rng):
     assert peers.flashmla_reason("bf16", 64, 128) is None
     assert "bf16 only" in peers.flashmla_reason("fp8", 64, 16)
     assert "64 tokens" in peers.flashmla_reason("bf16", 1, 16)
+
+
+def test_flashmla_graph_is_timed_by_our_two_clocks(rng, monkeypatch):
+    """``wall_time``: a replay and its wait, wall clock; ``in_flight_time``: replays back to
+    back and one wait. Both divide by the graph's calls; a fake graph of 2 ms, 8 calls."""
+    import time
+    import types
+
+    from jax_mla.bench import peers
+
+    torch = pytest.importorskip("torch")
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(len(replays)))
+    monkeypatch.setattr(timing, "IN_FLIGHT_MS", 20.0)
+    replays = []
+    graph = types.SimpleNamespace(replay=lambda: (replays.append(1), time.sleep(2e-3)))
+    fm = peers.FlashMLA.__new__(peers.FlashMLA)
+    fm._graphs = {(20.0, 128): (graph, 8)}
+    assert 2e-3 / 8 <= fm.wall_time(reps=3) < 4e-3 / 8
+    assert len(replays) == 3 and waits == [1, 2, 3]
+    replays.clear(), waits.clear()
+    assert 2e-3 / 8 <= fm.in_flight_time(reps=2) < 4e-3 / 8
+    # One replay sizes the timing (20 ms / 2 ms: 10 runs), then each rep waits once.
+    assert len(replays) == 1 + 2 * 10 and waits == [1, 11, 21]
 
 
 def test_command_buffers_are_counted_from_the_compiled_hlo(monkeypatch):

@@ -5,7 +5,10 @@
 :class:`jax_mla.TritonTuning` (``general:affine_reduce=0``, ``line:split_plan=line``,
 ``bn32:block_n=32,num_stages=3``, ``ffi:launcher=ffi,planner=kernel``); a SHAPE is
 ``B,H,S[,Q[,PAGE[,KV]]]``; ``--no-peers`` leaves FlashMLA out; ``--donated`` also times each
-variant's chain with its output buffers donated run to run (``timing.device_time``). Each
+variant's chain with its output buffers donated run to run (``timing.device_time``);
+``--in-flight`` also times every row with runs in flight (``timing.device_time(...,
+in_flight=True)``; FlashMLA's graph replayed back to back) and FlashMLA's graph by our stream
+timer's wall clock (``peers.FlashMLA.wall_time``). Each
 variant is its own plan (the tuning object is part of it, so of the jit cache key): no
 environment, no cleared caches.
 For every shape the variants are timed in turn, ``--rounds`` times over (interleaved, so drift
@@ -50,14 +53,18 @@ def parse_variant(text: str) -> tuple[str, TritonTuning]:
 
 
 def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
-        peers: bool = True, on_rows=None, donated: bool = False) -> list[dict]:
+        peers: bool = True, on_rows=None, donated: bool = False,
+        in_flight: bool = False) -> list[dict]:
     """Rows of ``{shape, variant, us (rounds), best_us, vs_first, rel_err_vs_first,
     metadata_us, ...}``; with ``gpu_time`` (CUPTI) also ``gpu_us``, ``launches``,
     ``kernels_us``, the metadata's ``metadata_gpu_us`` / ``metadata_launches`` /
     ``metadata_memcpys`` and the compiled call's command buffers. With ``peers``, a
     ``flashmla`` row on the first variant's buffers where FlashMLA is built
     (``peers.py``). With ``donated``, our rows also carry ``donated_us`` (rounds) and
-    ``donated_best_us``: the stream time with the chain's outputs donated run to run. Every
+    ``donated_best_us``: the stream time with the chain's outputs donated run to run. With
+    ``in_flight``, every row also carries ``in_flight_us`` / ``in_flight_best_us`` (runs
+    dispatched back to back), and FlashMLA's ``wall_us`` / ``wall_best_us`` (its graph timed by
+    our stream timer's clock: wall around each replay and its wait). Every
     stream time is taken before any CUPTI trace: once CUPTI has traced a process, every launch
     in it costs more. ``on_rows(rows)`` is called with the rows so far after each shape and
     each shape's GPU times (``main`` writes them: a run cut short keeps what it measured)."""
@@ -72,14 +79,27 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
         fm = _flashmla(shape, calls[names[0]][1], *builds[names[0]][1]) if peers else None
         times = {name: [] for name in names + (["flashmla"] if fm else [])}
         kept = {name: [] for name in names}
+        flight = {name: [] for name in times}
+        walls = []
         for _ in range(rounds):
             for name in names:
                 fn, args = calls[name]
                 times[name].append(device_time(fn, *args, min_ms=20) * 1e6)
                 if donated:
                     kept[name].append(device_time(fn, *args, min_ms=20, donated=True) * 1e6)
+                if in_flight:
+                    flight[name].append(device_time(fn, *args, min_ms=20, in_flight=True)
+                                        * 1e6)
             if fm:
-                times["flashmla"].append(fm.stream_time() * 1e6)
+                try:
+                    times["flashmla"].append(fm.stream_time() * 1e6)
+                    if in_flight:
+                        walls.append(fm.wall_time() * 1e6)
+                        flight["flashmla"].append(fm.in_flight_time() * 1e6)
+                except RuntimeError as e:  # its capture or launch failed: no row, go on
+                    print(f"{shape.name:<28} flashmla     failed: {str(e)[:200]}", flush=True)
+                    fm = None
+                    del times["flashmla"], flight["flashmla"]
         outs = {name: _outputs(*calls[name]) for name in names}
         if fm:
             outs["flashmla"] = fm.outputs()
@@ -101,9 +121,14 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
                 row["metadata_us"] = metadata_time(build, table, lens, min_ms=5) * 1e6
                 if donated:
                     row.update(donated_us=kept[name], donated_best_us=min(kept[name]))
+            elif in_flight:
+                row.update(wall_us=walls, wall_best_us=min(walls))
+            if in_flight:
+                row.update(in_flight_us=flight[name], in_flight_best_us=min(flight[name]))
             rows.append(row)
-            kept_text = (f" (outputs donated {row['donated_best_us']:8.1f} us)"
-                         if "donated_best_us" in row else "")
+            kept_text = "".join(f" ({label} {row[key]:8.1f} us)" for key, label in (
+                ("donated_best_us", "outputs donated"), ("wall_best_us", "wall"),
+                ("in_flight_best_us", "in flight")) if key in row)
             print(f"{shape.name:<28} {name:<12} best {row['best_us']:8.1f} us{kept_text} "
                   f"x{row['vs_first']:.3f} err {row['rel_err_vs_first']:.1e}", flush=True)
         cases.append((shape, calls, builds, fm))
@@ -165,7 +190,8 @@ def main(argv=None) -> int:
         del argv[i:i + 2]
     with_peers = "--no-peers" not in argv
     donated = "--donated" in argv
-    argv = [a for a in argv if a not in ("--no-peers", "--donated")]
+    in_flight = "--in-flight" in argv
+    argv = [a for a in argv if a not in ("--no-peers", "--donated", "--in-flight")]
     path, rest = argv[0], argv[1:]
     split = rest.index("--")
     variants = [parse_variant(v) for v in rest[:split]]
@@ -174,7 +200,8 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 
-    write(run(shapes, variants, rounds, peers=with_peers, on_rows=write, donated=donated))
+    write(run(shapes, variants, rounds, peers=with_peers, on_rows=write, donated=donated,
+              in_flight=in_flight))
     return 0
 
 

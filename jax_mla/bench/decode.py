@@ -184,6 +184,7 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) 
         t_e2e = device_time(e2e, q, cache, md)
         row = {"shape": shape.name, "tag": shape.tag, "backend": name,
                **dataclasses.asdict(shape), **roofline(shape, lens_np, t_e2e, ceil),
+               "in_flight_us": device_time(e2e, q, cache, md, in_flight=True) * 1e6,
                "dispatch_us": dispatch_time(e2e, q, cache, md) * 1e6,
                "kernel_us": (device_time(kernels, q, cache, md) if name != "xla" else t_e2e) * 1e6,
                "metadata_us": metadata_time(build, table, lens) * 1e6}
@@ -194,7 +195,8 @@ def run_shape(shape: Shape, backends, ceil: dict, rng, *, scale=DEEPSEEK_SCALE) 
     if fm is not None:
         rows.append({"shape": shape.name, "tag": shape.tag, "backend": "flashmla",
                      **dataclasses.asdict(shape),
-                     **roofline(shape, lens_np, fm.stream_time(), ceil)})
+                     **roofline(shape, lens_np, fm.stream_time(), ceil),
+                     "in_flight_us": fm.in_flight_time() * 1e6})
         outs["flashmla"] = tuple(jnp.asarray(x) for x in fm.outputs())
     if "xla" in outs:
         ref_o, ref_l = outs["xla"]

@@ -8,7 +8,8 @@ allows. Its inputs are our arrays, viewed by torch through DLPack (no copy):
 - GPU time: the CUPTI sum of one call's kernels (``profile.py``), the scheduling metadata
   planned once beforehand, as ours is;
 - stream time: one CUDA graph of ``n`` calls on one stream (each starts when the previous one
-  ends), replayed and timed by CUDA events;
+  ends), replayed and timed by CUDA events; also by our own timer's two clocks: wall time
+  around a replay and its wait (``wall_time``), and replays in flight (``in_flight_time``);
 - metadata: its first call plans the split schedule (``get_decoding_sched_meta``); the kernels
   that a fresh plan adds to a call are its metadata cost.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 
 import numpy as np
 
@@ -86,10 +88,14 @@ class FlashMLA:
         lse = lse.transpose(1, 2).reshape(self.rows, self.heads).float().cpu().numpy()
         return out, lse
 
-    def stream_time(self, min_ms: float = 20.0, reps: int = 5, max_n: int = 128) -> float:
-        """Median seconds per call in a CUDA graph of dependent calls (one stream)."""
+    def _graph(self, min_ms: float, max_n: int):
+        """``(graph, n)``: one CUDA graph of ``n`` calls on one stream, ``n`` enough for about
+        ``min_ms`` (at most ``max_n``), captured once per ``(min_ms, max_n)``."""
         import torch
 
+        graphs = self.__dict__.setdefault("_graphs", {})
+        if (min_ms, max_n) in graphs:
+            return graphs[min_ms, max_n]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -100,12 +106,60 @@ class FlashMLA:
         one = _events_time(self.call, 10)
         n = int(max(2, min(max_n, (min_ms * 1e-3) // max(one, 1e-6))))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # Thread-local capture: XLA's own threads in this process (buffer frees, event polls)
+        # may call CUDA meanwhile, which invalidates a global-mode capture ("operation failed
+        # due to a previous error during capture", H100, 2026-12-06).
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for _ in range(n):
                 self.call()
         graph.replay()
         torch.cuda.synchronize()
+        graphs[min_ms, max_n] = graph, n
+        return graph, n
+
+    def stream_time(self, min_ms: float = 20.0, reps: int = 5, max_n: int = 128) -> float:
+        """Median seconds per call in a CUDA graph of dependent calls (one stream), a replay
+        timed by CUDA events."""
+        graph, n = self._graph(min_ms, max_n)
         return statistics.median(_events_time(graph.replay, 1) for _ in range(reps)) / n
+
+    def wall_time(self, min_ms: float = 20.0, reps: int = 5, max_n: int = 128) -> float:
+        """The same graph timed as ours is (``timing.device_time``): wall clock around one
+        replay and the wait for it, median seconds per call."""
+        import torch
+
+        graph, n = self._graph(min_ms, max_n)
+
+        def one():
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        return statistics.median(one() for _ in range(reps)) / n
+
+    def in_flight_time(self, min_ms: float = 20.0, reps: int = 5, max_n: int = 128) -> float:
+        """The same graph timed as ours is in flight (``timing.device_time(...,
+        in_flight=True)``): replays back to back for about ``timing.IN_FLIGHT_MS``, one wait at
+        the end, wall clock; median seconds per call."""
+        import torch
+
+        from jax_mla.bench import timing
+
+        graph, n = self._graph(min_ms, max_n)
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        runs = timing.in_flight_runs(time.perf_counter() - t0)
+
+        def one():
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                graph.replay()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / runs
+
+        return statistics.median(one() for _ in range(reps)) / n
 
     def gpu_time(self, calls: int = 20) -> dict:
         """``{"gpu_us", "launches", "kernels_us"}`` per call (CUPTI), the plan reused."""

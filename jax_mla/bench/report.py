@@ -46,6 +46,8 @@ def _e(x):
 
 def decode_table(data) -> str:
     env, rows = data["environment"], data["rows"]
+    # Runs since 2026-12-06 also time every row with runs in flight (``timing.device_time``).
+    flight = any("in_flight_us" in r for r in rows)
     ceil = REFERENCE_CEILINGS
     probe = (f" (the run's own probes: {env['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
              f"{env['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s)" if "copy_bytes_per_s" in env else "")
@@ -53,16 +55,18 @@ def decode_table(data) -> str:
            f"jax-triton {env.get('jax_triton')}, {env.get('date')}. {env.get('note', '')}", "",
            f"Ratios against copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s and bf16 matmul "
            f"{ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s{probe}.", "",
-           "| shape | backend | stream µs | GPU µs | launches | TB/s | % copy | TFLOP/s | "
-           "% matmul | × XLA | metadata µs (launches) | rel err |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| shape | backend | stream µs | " + ("in flight µs | " if flight else "")
+           + "GPU µs | launches | TB/s | % copy | TFLOP/s | % matmul | × XLA | metadata µs "
+           "(launches) | rel err |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if flight else "")]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['shape']} | {r.get('backend', '-')} | error: "
-                       f"{r['error'][:80]} |||||||||")
+                       f"{r['error'][:80]} " + "|" * (10 + flight))
             continue
         out.append(
-            f"| {r['shape']} | {r['backend']} | {_f(r['us'])} | {_f(r.get('gpu_us'))} | "
+            f"| {r['shape']} | {r['backend']} | {_f(r['us'])} | "
+            + (f"{_f(r.get('in_flight_us'))} | " if flight else "") + f"{_f(r.get('gpu_us'))} | "
             f"{_f(r.get('launches'), 0)} | {r['kv_TBps']:.2f} | "
             f"{100 * r['kv_TBps'] * 1e12 / ceil['copy_bytes_per_s']:.0f} | {r['TFLOPs']:.0f} | "
             f"{100 * r['TFLOPs'] * 1e12 / ceil['bf16_matmul_flops']:.0f} | "
@@ -155,18 +159,29 @@ def update_modes_table(by_mode: dict) -> str:
     return "\n".join(out)
 
 
+# Stream columns a run may add (``bench.ab --donated`` / ``--in-flight``), where a row has them.
+_AB_STREAMS = (("donated_best_us", "outputs donated µs"),
+               ("wall_best_us", "FlashMLA's graph, our clock µs"),
+               ("in_flight_best_us", "runs in flight µs"))
+
+
 def ab_table(rows) -> str:
-    # A run with ``--donated`` has one more stream column: the chain's outputs donated.
-    kept = any("donated_best_us" in r for r in rows)
-    out = ["| shape | variant | best stream µs | " + ("outputs donated µs | " if kept else "")
-           + "× first | GPU µs | rel err vs first | LSE max abs err vs first |",
-           "|---|---|---|---|---|---|---|" + ("---|" if kept else "")]
+    extra = [(key, label) for key, label in _AB_STREAMS if any(key in r for r in rows)]
+    flight = any("in_flight_best_us" in r for r in rows)
+    out = ["| shape | variant | best stream µs | " + "".join(f"{label} | " for _, label in extra)
+           + "× first | GPU µs | " + ("in flight ÷ GPU | " if flight else "")
+           + "rel err vs first | LSE max abs err vs first |",
+           "|---|---|---|---|---|---|---|" + "---|" * (len(extra) + flight)]
     for r in rows:
         # "-": not compared (rows of separate processes)
+        gpu = r.get("gpu_us")
+        ratio = (f"{r['in_flight_best_us'] / gpu:.3f}" if gpu and "in_flight_best_us" in r
+                 else "-")
         out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
-                   + (f"{_f(r.get('donated_best_us'))} | " if kept else "")
-                   + f"{r['vs_first']:.3f} | {_f(r.get('gpu_us'))} | "
-                   f"{_e(r.get('rel_err_vs_first'))} | {_e(r.get('lse_max_abs_err_vs_first'))} |")
+                   + "".join(f"{_f(r.get(key))} | " for key, _ in extra)
+                   + f"{r['vs_first']:.3f} | {_f(gpu)} | "
+                   + (f"{ratio} | " if flight else "")
+                   + f"{_e(r.get('rel_err_vs_first'))} | {_e(r.get('lse_max_abs_err_vs_first'))} |")
     return "\n".join(out)
 
 
@@ -295,11 +310,16 @@ def host_events_table(rows, top: int = 12) -> str:
 
 
 def launcher_table(rows) -> str:
-    """The launcher A/B (``launcher_ab.json``): both timers, stream over GPU time, metadata,
-    command buffers, and FlashMLA beside where it ran."""
-    out = ["| shape | variant | stream µs | GPU µs | stream / GPU | launches | metadata GPU µs "
-           "(launches, memcpys) | command buffers (FFI calls in them / all) | rel err vs first |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    """The launcher A/B (``launcher_ab.json``): both timers (the stream time also with runs in
+    flight, FlashMLA's graph also by our clock, where measured), stream over GPU time,
+    metadata, command buffers, and FlashMLA beside where it ran."""
+    extra = [(key, label) for key, label in _AB_STREAMS if any(key in r for r in rows)]
+    flight = any("in_flight_best_us" in r for r in rows)
+    out = ["| shape | variant | stream µs | " + "".join(f"{label} | " for _, label in extra)
+           + "GPU µs | stream / GPU | " + ("in flight / GPU | " if flight else "")
+           + "launches | metadata GPU µs (launches, memcpys) | command buffers (FFI calls in "
+           "them / all) | rel err vs first |",
+           "|---|---|---|---|---|---|---|---|---|" + "---|" * (len(extra) + flight)]
     for r in rows:
         gpu = r.get("gpu_us")
         cb = ("-" if "command_buffers" not in r else
@@ -307,10 +327,29 @@ def launcher_table(rows) -> str:
               f"{r['custom_calls']})")
         md = (f"{_f(r.get('metadata_gpu_us'))} ({_f(r.get('metadata_launches'), 0)}, "
               f"{_f(r.get('metadata_memcpys'), 0)})")
-        out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | {_f(gpu)} | "
+        in_flight = r.get("in_flight_best_us")
+        out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
+                   + "".join(f"{_f(r.get(key))} | " for key, _ in extra) + f"{_f(gpu)} | "
                    f"{_f(r['best_us'] / gpu if gpu else None, 3)} | "
-                   f"{_f(r.get('launches'), 0)} | {md} | {cb} | "
+                   + (f"{_f(in_flight / gpu if gpu and in_flight else None, 3)} | "
+                      if flight else "")
+                   + f"{_f(r.get('launches'), 0)} | {md} | {cb} | "
                    f"{r['rel_err_vs_first']:.1e} |")
+    return "\n".join(out)
+
+
+def gaps_table(rows) -> str:
+    """``gaps.json`` (the session's ``gaps`` stage): the timing chain on the GPU's timeline
+    (CUPTI), per call: its span, our kernels' time and the timer's own (the kernels that feed
+    each call its dependency on the one before), and the idle gaps between kernels."""
+    out = ["| shape | span µs a call | our kernels µs | the timer's kernels µs | gaps µs | "
+           "span less the timer's kernels µs |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ours = sum(v for k, v in r["kernels_us"].items() if k.startswith("mla_"))
+        timer = sum(v for k, v in r["kernels_us"].items() if not k.startswith("mla_"))
+        gaps = sum(r["gap_before_us"].values())
+        out.append(f"| {r['shape']} | {r['span_us']:.1f} | {ours:.1f} | {timer:.1f} | "
+                   f"{gaps:.1f} | {r['span_us'] - timer:.1f} |")
     return "\n".join(out)
 
 
@@ -419,6 +458,14 @@ def report(folder: str) -> str:
                   "handler through XLA's record stage (`launcher=\"ffi_record\"`); `flashmla`: "
                   "FlashMLA on the first variant's buffers (stream time: one CUDA graph).", "",
                   launcher_table(la), ""]
+    gaps = _load(folder, "gaps.json")
+    if gaps:
+        parts += ["## The timing chain on the GPU's timeline (CUPTI)", "",
+                  "32 chained calls of the stream timer's program, profiled: per call, the "
+                  "span from the first kernel's start to the last one's end, our kernels "
+                  "(`mla_*`), the kernels the timer adds to feed each call its dependency on "
+                  "the one before (a copy, an add and an in-place update of one query "
+                  "element), and the idle time between kernels.", "", gaps_table(gaps), ""]
     pl = _load(folder, "planner.json")
     if pl:
         parts += ["## A step's metadata (CUPTI)", "", planner_table(pl), ""]

@@ -44,8 +44,8 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
   with the planning kernel) at :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both
-  timers (the stream time also with the chain's outputs donated), metadata, command buffers,
-  into ``launcher_ab.json``; ``record``: our launches
+  timers (the stream time also with runs in flight, FlashMLA's graph also by our clock),
+  metadata, command buffers, into ``launcher_ab.json``; ``record``: our launches
   captured or recorded through XLA's record stage (:data:`RECORD_AB`, ``record_ab.json``).
 - ``ncu``: Nsight Compute's counters for one call's kernels, ours beside FlashMLA's and cuDNN's
   (``jax_mla.bench.ncu``, ``ncu.json``; the cases after ``--``).
@@ -480,7 +480,7 @@ def stage_record(shapes):
 def stage_launcher(shapes):
     lib = _ffi_library()
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "launcher_ab.json"),
-             *LAUNCHER_VARIANTS, "--", *(shapes or LAUNCHER_SHAPES), "--donated"], 560,
+             *LAUNCHER_VARIANTS, "--", *(shapes or LAUNCHER_SHAPES), "--in-flight"], 560,
             "launcher ab",
             JAX_MLA_FFI_LIBRARY=lib)
 

@@ -11,6 +11,16 @@ with the program's single dispatch amortised; ``n`` grows until the program runs
 ``min_ms``. The median of ``reps`` runs is reported. (*GPU time*, the kernels alone, is read
 from CUPTI: ``profile.py``.)
 
+Each timed run is dispatched alone and waited for, so the stream time carries the host's work
+before the program's first kernel (XLA's dispatch and its command-buffer update) and the final
+sync, once per ``n`` calls. *In flight* (``in_flight=True``) the program instead takes the
+previous run's output, its first call fed from it as the calls within a run are, and runs are
+dispatched back to back with one sync at the end, for about :data:`IN_FLIGHT_MS`: the host
+prepares the next run while the GPU runs this one, as in a serving loop (or a CUDA graph
+replayed on one stream). Wall time / calls then is the larger of the host's and the GPU's time
+a call; the first run's host work and the last sync are not hidden, so it errs slow, never
+fast.
+
 The copy probe of :func:`ceilings` multiplies by 1.25 (exact in bf16, so XLA cannot drop it),
 and figures above any datasheet are flagged: a broken chain shows there first.
 """
@@ -46,11 +56,15 @@ def _feed(args, out):
     return jax.tree.unflatten(tree, leaves)
 
 
-def chained(fn, n, donated: bool = False):
+def chained(fn, n, donated: bool = False, fed: bool = False):
     """``fn`` called ``n`` times, each call fed the previous one's output (module docstring),
     as one jitted program. ``donated``: the program takes one more first argument, a pytree
     shaped like the output, donated and ignored, so that the output is written into the
-    buffers passed in (:func:`device_time` passes the last run's output back)."""
+    buffers passed in (:func:`device_time` passes the last run's output back). ``fed``: the
+    program takes the previous run's output first and feeds its first call from it, so that
+    runs dispatched back to back are one chain."""
+    if donated and fed:
+        raise ValueError("chained: donated and fed are exclusive")
 
     def many(*args):
         # The barrier materialises each call's output: XLA cannot fuse consecutive calls
@@ -61,6 +75,8 @@ def chained(fn, n, donated: bool = False):
             out = jax.lax.optimization_barrier(fn(*args))
         return out
 
+    if fed:
+        return jax.jit(lambda prev, *args: many(*_feed(args, prev)))
     if not donated:
         return jax.jit(many)
     # keep_unused: jax would otherwise drop the unread sink, and its donation with it.
@@ -80,28 +96,37 @@ MIN_MS = 3.0
 # a call in Triton's interpreter costs seconds) sets both to 1 through :func:`smoke`.
 REPS = 5
 EST_CALLS = 3
+# Wall time of one in-flight timing, in ms: the first run's host work and the final sync (at most
+# ~1.5 ms on an H100) are spread over it.
+IN_FLIGHT_MS = 100.0
 
 
 def smoke() -> None:
     """Time as little as can still be called a timing: one repetition, the shortest chain."""
-    global REPS, EST_CALLS, MIN_MS
-    REPS, EST_CALLS, MIN_MS = 1, 1, 0.0
+    global REPS, EST_CALLS, MIN_MS, IN_FLIGHT_MS
+    REPS, EST_CALLS, MIN_MS, IN_FLIGHT_MS = 1, 1, 0.0, 0.0
 
 
 def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
-                max_n: int = 128, donated: bool = False) -> float:
+                max_n: int = 128, donated: bool = False, in_flight: bool = False) -> float:
     """Median seconds per call of ``fn(*args)`` (see the module docstring).
 
     ``donated``: each run's output is written into the buffers of the run before (donated),
     as a CUDA graph replayed on fixed buffers writes into the same ones. Otherwise every run
     gets fresh output buffers, and XLA updates a command buffer whose buffers moved before it
-    replays it (on an H100, 2026-12-06, the two gave the same stream times within noise)."""
+    replays it (on an H100, 2026-12-06, the two gave the same stream times within noise).
+    ``in_flight``: runs dispatched back to back, each fed the one before, one sync at the end
+    (module docstring)."""
+    if donated and in_flight:
+        raise ValueError("device_time: donated and in_flight are exclusive")
     min_ms = MIN_MS if min_ms is None else min_ms
     reps = REPS if reps is None else reps
     one = jax.jit(fn)
     jax.block_until_ready(one(*args))
     est = min(_wall(one, args) for _ in range(EST_CALLS))
     n = int(max(2, min(max_n, (min_ms * 1e-3) // max(est, 1e-6))))
+    if in_flight:
+        return _in_flight(chained(fn, n, fed=True), one(*args), args, reps) / n
     if not donated:
         many = chained(fn, n)
         jax.block_until_ready(many(*args))
@@ -114,6 +139,28 @@ def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
         sink = jax.block_until_ready(many(sink, *args))
         walls.append(time.perf_counter() - t0)
     return statistics.median(walls) / n
+
+
+def in_flight_runs(run_s: float) -> int:
+    """Runs of ``run_s`` seconds each that fill :data:`IN_FLIGHT_MS` (2 to 1024)."""
+    return int(min(1024, max(2, -(-IN_FLIGHT_MS * 1e-3 // max(run_s, 1e-6)))))
+
+
+def _in_flight(many, prev, args, reps) -> float:
+    """Median seconds per run of ``many(prev, *args)`` dispatched back to back, each fed the
+    last one's output, for about :data:`IN_FLIGHT_MS` a timing."""
+    prev = jax.block_until_ready(many(prev, *args))  # compiles
+    t0 = time.perf_counter()
+    prev = jax.block_until_ready(many(prev, *args))
+    runs = in_flight_runs(time.perf_counter() - t0)
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            prev = many(prev, *args)
+        jax.block_until_ready(prev)
+        walls.append((time.perf_counter() - t0) / runs)
+    return statistics.median(walls)
 
 
 def dispatch_time(fn, *args, n: int | None = None, reps: int | None = None) -> float:
