@@ -10,9 +10,11 @@ import pytest
 from jax_mla.bench import session
 
 
-def _fake_run(outcomes, calls):
-    """``subprocess.run`` for the stage: collection answers with ids; a sanitized case
-    answers with the next outcome queued for it and writes its sanitizer log."""
+def _fake_run(outcomes, calls, warmed=None):
+    """``subprocess.run`` for the stage: collection answers with ids; a case's warm-up run
+    passes; a sanitized case answers with the next outcome queued for it and writes its
+    sanitizer log."""
+    warmed = [] if warmed is None else warmed
 
     def run(cmd, capture_output=True, text=True, timeout=None, env=None):
         if "--collect-only" in cmd:
@@ -20,8 +22,15 @@ def _fake_run(outcomes, calls):
             ids = [f"{file}::test_{name}" for name in outcomes if name.startswith(
                 "c" if "conformance" in file else "b")]
             return subprocess.CompletedProcess(cmd, 0, "\n".join(ids) + "\n\n2 tests", "")
-        assert cmd[0] == "compute-sanitizer" and "--kernel-name" in cmd
+        assert env["JAX_COMPILATION_CACHE_DIR"]
+        assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+        if cmd[0] != "compute-sanitizer":  # the warm-up: the same case, no sanitizer
+            assert "pytest" in cmd and "--log-file" not in cmd
+            warmed.append(cmd[-1].split("::test_")[1])
+            return subprocess.CompletedProcess(cmd, 0, "1 passed in 1.0s", "")
+        assert "--kernel-name" in cmd
         case = cmd[-1].split("::test_")[1]
+        assert warmed[-1:] == [case] or not session.MEMCHECK_WARM
         calls.append(case)
         kind = outcomes[case].pop(0)
         log = cmd[cmd.index("--log-file") + 1]
@@ -30,8 +39,10 @@ def _fake_run(outcomes, calls):
             if kind != "signal":
                 errors = 2 if kind == "errors" else 0
                 f.write(f"========= ERROR SUMMARY: {errors} errors\n")
-        if kind == "timeout":
-            raise subprocess.TimeoutExpired(cmd, timeout)
+        if kind == "timeout":  # pytest's faulthandler has printed the stacks by then
+            assert any(a.startswith("faulthandler_timeout=") for a in cmd)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=b"Timeout (0:02:55)!\n"
+                                            b"Thread 0x1 (most recent call first):\n  in wait")
         out = {"passed": (0, "1 passed in 3.1s"), "failed": (1, "1 failed in 2.0s"),
                "skipped": (0, "1 skipped in 0.4s"), "errors": (9, "1 passed in 3.0s"),
                "signal": (-11, "")}[kind]
@@ -48,29 +59,38 @@ def test_memcheck_stage_runs_a_process_a_case_and_retries_only_signals(tmp_path,
             "c_dies": ("signal", 3, None), "c_bad": ("memcheck errors", 1, 2),
             "c_skip": ("skipped", 1, 0), "b_fails": ("failed", 1, 0),
             "b_slow": ("timeout", 1, 0)}
-    calls = []
+    calls, warmed = [], []
     monkeypatch.setattr(session, "OUT", str(tmp_path))
     monkeypatch.setattr(session, "_ffi_library", lambda: "/nowhere/lib.so")
-    monkeypatch.setattr(session.subprocess, "run", _fake_run(outcomes, calls))
+    monkeypatch.setattr(session.subprocess, "run", _fake_run(outcomes, calls, warmed))
+    monkeypatch.setattr(session, "MEMCHECK_WARM", True)
     monkeypatch.delenv("JAX_MLA_MEMCHECK_ONLY", raising=False)
     session.stage_memcheck_conformance(None)
     rows = json.loads((tmp_path / "memcheck.json").read_text())
     assert len(rows) == len(want) and len(calls) == sum(t for _, t, _ in want.values())
+    # Every sanitized try came after a warm-up of its own case, and says so.
+    assert warmed == calls
+    assert all(t["warm"]["rc"] == 0 for row in rows for t in row["tries"])
     for row in rows:
         name = row["test"].split("::test_")[1]
         result, tries, errors = want[name]
         assert (row["result"], len(row["tries"]), row["errors"]) == (result, tries, errors), row
     signals = (tmp_path / "memcheck_signal.txt").read_text()
     assert signals.count("== tests/") == 5 and "c_dies" in signals and "c_ok" not in signals
+    stuck = (tmp_path / "memcheck_timeout.txt").read_text()
+    assert stuck.startswith("== tests/") and "b_slow" in stuck and "in wait" in stuck
 
 
 @pytest.mark.parametrize("only, picked", [("c_ok,b_", ["c_ok", "b_x"]), ("1", ["c_x"])])
 def test_memcheck_only_picks_cases_by_index_or_piece(tmp_path, monkeypatch, only, picked):
     outcomes = {"c_ok": ["passed"], "c_x": ["passed"], "b_x": ["passed"]}
-    calls = []
+    calls, warmed = [], []
     monkeypatch.setattr(session, "OUT", str(tmp_path))
     monkeypatch.setattr(session, "_ffi_library", lambda: "/nowhere/lib.so")
-    monkeypatch.setattr(session.subprocess, "run", _fake_run(outcomes, calls))
+    monkeypatch.setattr(session.subprocess, "run", _fake_run(outcomes, calls, warmed))
+    monkeypatch.setattr(session, "MEMCHECK_WARM", False)
     monkeypatch.setenv("JAX_MLA_MEMCHECK_ONLY", only)
     session.stage_memcheck_conformance(None)
-    assert calls == picked
+    assert calls == picked and warmed == []
+    rows = json.loads((tmp_path / "memcheck.json").read_text())
+    assert not any("warm" in t for row in rows for t in row["tries"])

@@ -111,6 +111,41 @@ def test_in_flight_time_divides_by_every_run_it_waited_for(monkeypatch):
     assert timing.in_flight_runs(1.0) == 2 and timing.in_flight_runs(0.0) == 1024
 
 
+def test_chain_gaps_reads_the_first_run_and_the_gaps_between_runs(monkeypatch):
+    """``profile.chain_gaps`` on a made CUPTI record: three runs of two calls, each call a
+    decode and a reduce; the first run's span and kernels per call, and the idle time between
+    runs. The runs themselves really run (on CPU), each fed the last."""
+    from jax_mla.bench import profile
+
+    rng = np.random.default_rng()
+    dec, red, idle = rng.uniform(5, 20), rng.uniform(1, 5), rng.uniform(50, 150)
+    ev, t = [], 0.0
+    for _run in range(3):
+        for _ in range(2):
+            for name, dur in (("mla_decode_kernel", dec), ("mla_reduce_affine_x", red)):
+                ev.append({"name": name, "ts": t, "dur": dur})
+                t += dur
+        t += idle
+    ran = []
+
+    def fake_profile(run, raw=False):
+        run()
+        ran.append(True)
+        return ev
+
+    monkeypatch.setattr(profile, "_profile", fake_profile)
+    got = profile.chain_gaps(lambda a: a * 2.0, jnp.ones(8), n=2, runs=3)
+    assert ran and got["launches"] == 2
+    assert got["span_us"] == pytest.approx(dec + red)
+    assert got["kernels_us"] == {"mla_decode": pytest.approx(dec),
+                                 "mla_reduce_affine": pytest.approx(red)}
+    assert got["between_runs_us"] == pytest.approx(idle)
+    ev.append({"name": "stray", "ts": t, "dur": 1.0})  # runs that do not split evenly
+    got = profile.chain_gaps(lambda a: a * 2.0, jnp.ones(8), n=2, runs=3)
+    assert got["between_runs_us"] is None and got["launches"] == pytest.approx(13 / 6)
+    assert got["span_us"] == pytest.approx((t + 1.0) / 6)
+
+
 def test_decode_rows_carry_both_timers_and_match_xla(monkeypatch):
     import functools
 

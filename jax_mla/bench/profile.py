@@ -96,23 +96,43 @@ def kernel_times(fn, *args, calls: int = 20) -> dict:
             "kernels_us": per}
 
 
-def chain_gaps(fn, *args, n: int = 32) -> dict:
-    """The timing chain of ``n`` dependent calls under CUPTI: its GPU span per call, each kernel
-    family's own time and the idle gap before it, per call."""
+def chain_gaps(fn, *args, n: int = 32, runs: int = 3) -> dict:
+    """The timing chain of ``n`` dependent calls under CUPTI, ``runs`` runs of it dispatched
+    back to back, each fed the last (``timing.chained(..., fed=True)``, as the stream timer's
+    runs in flight): the first run's GPU span per call, each kernel family's own time and the
+    idle gap before it, per call; and ``between_runs_us``, the GPU's mean idle time from one
+    run's last kernel to the next one's first (None where the runs' kernels do not split
+    evenly)."""
     from jax_mla.bench.timing import chained
 
-    many = chained(fn, n)
-    jax.block_until_ready(many(*args))
-    ev = _profile(lambda: jax.block_until_ready(many(*args)))
-    span = (float(ev[-1]["ts"]) + float(ev[-1]["dur"]) - float(ev[0]["ts"])) / n
+    many = chained(fn, n, fed=True)
+    prev = jax.block_until_ready(many(jax.jit(fn)(*args), *args))
+
+    def run():
+        out = prev
+        for _ in range(runs):
+            out = many(out, *args)
+        jax.block_until_ready(out)
+
+    ev = _profile(run)
+    each = len(ev) // runs if len(ev) % runs == 0 else None
+    # Runs that do not split evenly: every call of every run, the gaps between runs included.
+    first, calls = (ev[:each], n) if each else (ev, n * runs)
+    end = [float(e["ts"]) + float(e["dur"]) for e in ev]
+    span = (end[len(first) - 1] - float(first[0]["ts"])) / calls
     own, gap = {}, {}
-    for a, b in zip(ev, ev[1:] + [None]):
+    for a, b in zip(first, first[1:] + [None]):
         k = family(a["name"])
-        own[k] = own.get(k, 0.0) + float(a["dur"]) / n
+        own[k] = own.get(k, 0.0) + float(a["dur"]) / calls
         if b is not None:
             kb = family(b["name"])
-            gap[kb] = gap.get(kb, 0.0) + (float(b["ts"]) - float(a["ts"]) - float(a["dur"])) / n
-    return {"span_us": span, "kernels_us": own, "gap_before_us": gap, "launches": len(ev) / n}
+            gap[kb] = gap.get(kb, 0.0) + (float(b["ts"]) - float(a["ts"])
+                                          - float(a["dur"])) / calls
+    between = ([float(ev[r * each]["ts"]) - end[r * each - 1] for r in range(1, runs)]
+               if each and runs > 1 else None)
+    return {"span_us": span, "kernels_us": own, "gap_before_us": gap,
+            "launches": len(first) / calls,
+            "between_runs_us": sum(between) / len(between) if between else None}
 
 
 def available() -> bool:

@@ -343,13 +343,15 @@ def gaps_table(rows) -> str:
     (CUPTI), per call: its span, our kernels' time and the timer's own (the kernels that feed
     each call its dependency on the one before), and the idle gaps between kernels."""
     out = ["| shape | span µs a call | our kernels µs | the timer's kernels µs | gaps µs | "
-           "span less the timer's kernels µs |", "|---|---|---|---|---|---|"]
+           "span less the timer's kernels µs | idle between runs µs |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = sum(v for k, v in r["kernels_us"].items() if k.startswith("mla_"))
         timer = sum(v for k, v in r["kernels_us"].items() if not k.startswith("mla_"))
         gaps = sum(r["gap_before_us"].values())
         out.append(f"| {r['shape']} | {r['span_us']:.1f} | {ours:.1f} | {timer:.1f} | "
-                   f"{gaps:.1f} | {r['span_us'] - timer:.1f} |")
+                   f"{gaps:.1f} | {r['span_us'] - timer:.1f} | "
+                   f"{_f(r.get('between_runs_us'))} |")
     return "\n".join(out)
 
 
@@ -465,7 +467,9 @@ def report(folder: str) -> str:
                   "span from the first kernel's start to the last one's end, our kernels "
                   "(`mla_*`), the kernels the timer adds to feed each call its dependency on "
                   "the one before (a copy, an add and an in-place update of one query "
-                  "element), and the idle time between kernels.", "", gaps_table(gaps), ""]
+                  "element), and the idle time between kernels; where measured (runs of the "
+                  "program dispatched back to back), the GPU's idle time between runs.", "",
+                  gaps_table(gaps), ""]
     pl = _load(folder, "planner.json")
     if pl:
         parts += ["## A step's metadata (CUPTI)", "", planner_table(pl), ""]
