@@ -165,9 +165,15 @@ _AB_STREAMS = (("donated_best_us", "outputs donated µs"),
                ("in_flight_best_us", "runs in flight µs"))
 
 
-def ab_table(rows) -> str:
+def _stream_columns(rows) -> tuple[list, bool]:
+    """The extra stream columns ``rows`` have (``(key, label)``), and whether runs in flight
+    are among them (then a ratio to the GPU time follows)."""
     extra = [(key, label) for key, label in _AB_STREAMS if any(key in r for r in rows)]
-    flight = any("in_flight_best_us" in r for r in rows)
+    return extra, any(key == "in_flight_best_us" for key, _ in extra)
+
+
+def ab_table(rows) -> str:
+    extra, flight = _stream_columns(rows)
     out = ["| shape | variant | best stream µs | " + "".join(f"{label} | " for _, label in extra)
            + "× first | GPU µs | " + ("in flight ÷ GPU | " if flight else "")
            + "rel err vs first | LSE max abs err vs first |",
@@ -313,8 +319,7 @@ def launcher_table(rows) -> str:
     """The launcher A/B (``launcher_ab.json``): both timers (the stream time also with runs in
     flight, FlashMLA's graph also by our clock, where measured), stream over GPU time,
     metadata, command buffers, and FlashMLA beside where it ran."""
-    extra = [(key, label) for key, label in _AB_STREAMS if any(key in r for r in rows)]
-    flight = any("in_flight_best_us" in r for r in rows)
+    extra, flight = _stream_columns(rows)
     out = ["| shape | variant | stream µs | " + "".join(f"{label} | " for _, label in extra)
            + "GPU µs | stream / GPU | " + ("in flight / GPU | " if flight else "")
            + "launches | metadata GPU µs (launches, memcpys) | command buffers (FFI calls in "

@@ -8,8 +8,9 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``bench``: the decode grid, both timers, every backend (``python -m jax_mla.bench`` with the
   arguments after ``--``); ``bench_triton``: the Triton backend's alone;
 - ``kernels``: each kernel's GPU time and launches per call (CUPTI) at :data:`KERNEL_SHAPES`;
-- ``gaps``: where the stream time goes at :data:`GAP_SHAPES`: the timing chain under CUPTI, each
-  kernel's time and the GPU's idle gap before it;
+- ``gaps``: where the stream time goes at :data:`GAP_SHAPES`: the timing chain under CUPTI
+  (three runs back to back), each kernel's time, the GPU's idle gap before it, and its idle
+  time between runs;
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`; ``ab_fp8``: the

@@ -19,7 +19,8 @@ dispatched back to back with one sync at the end, for about :data:`IN_FLIGHT_MS`
 prepares the next run while the GPU runs this one, as in a serving loop (or a CUDA graph
 replayed on one stream). Wall time / calls then is the larger of the host's and the GPU's time
 a call; the first run's host work and the last sync are not hidden, so it errs slow, never
-fast.
+fast. (On an H100, 2026-12-06, it came within 0-6 % of the stream time at every shape: what a
+run's boundary costs is not hidden by queuing runs.)
 
 The copy probe of :func:`ceilings` multiplies by 1.25 (exact in bf16, so XLA cannot drop it),
 and figures above any datasheet are flagged: a broken chain shows there first.
@@ -96,8 +97,8 @@ MIN_MS = 3.0
 # a call in Triton's interpreter costs seconds) sets both to 1 through :func:`smoke`.
 REPS = 5
 EST_CALLS = 3
-# Wall time of one in-flight timing, in ms: the first run's host work and the final sync (at most
-# ~1.5 ms on an H100) are spread over it.
+# Wall time of one in-flight timing, in ms: the first run's host work and the final sync (about
+# 1.5 ms with XLA's log on, on an H100) are spread over it.
 IN_FLIGHT_MS = 100.0
 
 
