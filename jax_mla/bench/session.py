@@ -96,6 +96,8 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
+# ``python`` arguments that run pytest quietly, without its cache (a checkout's tests).
+PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
 _CHILD_ENV_DROP: set[str] = set()  # variables this driver set for itself only
 PEERS = os.path.join(".peers", "flashmla")  # FlashMLA's reduced tree (benchmarks/README.md)
 _peer_build = None
@@ -192,12 +194,12 @@ def stage_env(_):
 
 
 def stage_tests(_):
-    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"], 480,
+    _python([*PYTEST, "tests/test_conformance.py"], 480,
             "conformance")
 
 
 def stage_tests_quick(_):
-    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
+    _python([*PYTEST, "tests/test_conformance.py", "-k",
              "not long_ragged"], 300, "conformance (quick)")
 
 
@@ -389,7 +391,7 @@ def _conformance_then_ab(cases: str, title: str, ab, *ab_args, timeout: int = 30
     """The conformance cases ``-k cases`` (GPU only), then the A/B ``ab`` (file, variants,
     shapes), both through the FFI launcher."""
     lib = _ffi_library()
-    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
+    _python([*PYTEST, "tests/test_conformance.py", "-k",
              cases], 240, title, JAX_MLA_FFI_LIBRARY=lib)
     name, variants, shapes = ab
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--", *shapes,
@@ -452,7 +454,7 @@ def stage_stream_init(_):
 
 
 def stage_conformance_fp8(_):
-    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
+    _python([*PYTEST, "tests/test_conformance.py", "-k",
              "triton and fp8"], 300, "fp8 conformance through the FFI launcher",
             JAX_MLA_FFI_LIBRARY=_ffi_library())
 
@@ -461,14 +463,14 @@ def stage_launcher_tests(_):
     lib = _ffi_library()
     log("FFI library", lib)
     env = dict(JAX_MLA_FFI_LIBRARY=lib)
-    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_ffi_launch.py",
+    _python([*PYTEST, "tests/test_ffi_launch.py",
              "tests/test_schedule.py", "-k", "ffi or launch or planning_kernel"], 360,
             "FFI launcher and planning kernel tests", **env)
 
 
 def stage_conformance_ffi(_):
     # The defaults on a GPU: the FFI launcher and the planning kernel.
-    _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py", "-k",
+    _python([*PYTEST, "tests/test_conformance.py", "-k",
              "triton"], 420, "conformance through the FFI launcher",
             JAX_MLA_FFI_LIBRARY=_ffi_library())
 
@@ -728,9 +730,8 @@ def stage_memcheck_conformance(_):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     ids = []
     for file, expr in MEMCHECK_CASES:
-        collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
-                                    "no:cacheprovider", "--collect-only", file, "-k", expr],
-                                   capture_output=True, text=True, env=env)
+        collected = subprocess.run([sys.executable, *PYTEST, "--collect-only", file, "-k",
+                                    expr], capture_output=True, text=True, env=env)
         ids += [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
     # A rerun of some cases: ``JAX_MLA_MEMCHECK_ONLY`` names them by index in the collection
     # or by a piece of their test id (comma-separated; a piece takes every id it is in).
@@ -766,26 +767,26 @@ def _memcheck_case(lib, case) -> dict:
 
     With :data:`MEMCHECK_WARM`, the case first runs once without the sanitizer (``warm``:
     its ``{rc, seconds}``), so that XLA's programs and Triton's kernels are compiled and cached
-    before the sanitized run. On 2026-12-06 (H100) three cases did not finish in 190-200 s
-    under the sanitizer, each stuck in XLA's compilation of a program of XLA ops (the jnp
-    planner's, the block-table check's), not in a kernel; they pass in seconds without it."""
+    before the sanitized run. On 2026-12-06 (H100) two cases did not finish in 190-200 s
+    under the sanitizer, both in XLA's compilation of a program of XLA ops (the jnp planner's,
+    the block-table check's), not in a kernel; a third passed in 14 s once the machine's
+    Triton cache was warm, after timeouts on fresh machines."""
     log_path = os.path.join(OUT, "memcheck_case.txt")
     env = _memcheck_env(lib)
     warm = None
     if MEMCHECK_WARM:
         t = time.time()
         try:
-            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 case], capture_output=True, text=True,
-                                timeout=MEMCHECK_CASE_LIMIT, env=env).returncode
+            rc = subprocess.run([sys.executable, *PYTEST, case], capture_output=True,
+                                text=True, timeout=MEMCHECK_CASE_LIMIT, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = None
         warm = {"rc": rc, "seconds": round(time.time() - t, 1)}
     # pytest's faulthandler prints every thread's stack shortly before the limit: where a case
     # that does not finish is (``$OUT/memcheck_timeout.txt``).
-    cmd = _sanitized(log_path, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
-                                f"faulthandler_timeout={max(1, MEMCHECK_CASE_LIMIT - 25)}",
-                                case], MEMCHECK_KERNELS)
+    cmd = _sanitized(log_path, [*PYTEST, "-o",
+                                f"faulthandler_timeout={max(1, MEMCHECK_CASE_LIMIT - 25)}", case],
+                     MEMCHECK_KERNELS)
     t = time.time()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=MEMCHECK_CASE_LIMIT,
