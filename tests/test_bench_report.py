@@ -96,6 +96,28 @@ def test_launcher_and_decode_tables_add_runs_in_flight_where_measured():
     assert "in flight" not in report.decode_table(data)
 
 
+def test_launcher_table_adds_the_back_to_back_calls_and_their_ratio():
+    rng = np.random.default_rng()
+    rows = [_ab_row(rng, "B32 H16 S4096 Q1 p64", v) for v in ("ffi", "flashmla")]
+    r, peer = rows
+    r["in_flight_best_us"], peer["in_flight_best_us"], r["serial_best_us"] = (
+        float(x) for x in rng.uniform(10, 900, 3))
+    text = report.launcher_table(rows)
+    assert "no feeding kernel µs" in text and "back to back / GPU" in text
+    assert (f"| ffi | {r['best_us']:.1f} | {r['in_flight_best_us']:.1f} | "
+            f"{r['serial_best_us']:.1f} | {r['gpu_us']:.1f} | {r['best_us'] / r['gpu_us']:.3f} | "
+            f"{r['in_flight_best_us'] / r['gpu_us']:.3f} | "
+            f"{r['serial_best_us'] / r['gpu_us']:.3f} |") in text
+    # FlashMLA's graph has no back-to-back chain of ours: "-" there, its ratio too.
+    assert (f"| flashmla | {peer['best_us']:.1f} | {peer['in_flight_best_us']:.1f} | - | "
+            f"{peer['gpu_us']:.1f} | {peer['best_us'] / peer['gpu_us']:.3f} | "
+            f"{peer['in_flight_best_us'] / peer['gpu_us']:.3f} | - |") in text
+    assert len({line.count("|") for line in text.splitlines()}) == 1
+    text = report.ab_table(rows)
+    assert f"{r['serial_best_us'] / r['gpu_us']:.3f} |" in text
+    assert len({line.count("|") for line in text.splitlines()}) == 1
+
+
 def test_gaps_section_splits_our_kernels_from_the_timers(tmp_path):
     import json
 
@@ -106,13 +128,21 @@ def test_gaps_section_splits_our_kernels_from_the_timers(tmp_path):
     gaps = {n: float(rng.uniform(-0.1, 0.2)) for n in k}
     row = {"shape": "B8 H16 S4096 Q1 p64", "span_us": sum(k.values()) + sum(gaps.values()),
            "kernels_us": k, "gap_before_us": gaps, "launches": 4.0}
-    (tmp_path / "gaps.json").write_text(json.dumps([row]))
-    text = report.report(str(tmp_path))
     ours = k["mla_decode"] + k["mla_reduce_affine"]
+    back = {"shape": row["shape"], "chain": "serial", "span_us": ours, "launches": 2.0,
+            "kernels_us": {n: k[n] for n in ("mla_decode", "mla_reduce_affine")},
+            "gap_before_us": {}, "run_span_us": [float(x) for x in rng.uniform(10, 40, 3)],
+            "between_runs_us": float(rng.uniform(1, 300))}
+    (tmp_path / "gaps.json").write_text(json.dumps([row, back]))
+    text = report.report(str(tmp_path))
     timer = sum(k.values()) - ours
     assert "## The timing chain on the GPU's timeline" in text
-    assert (f"| {row['shape']} | {row['span_us']:.1f} | {ours:.1f} | {timer:.1f} | "
-            f"{sum(gaps.values()):.1f} | {row['span_us'] - timer:.1f} | - |") in text
+    # A row from before the chain was named is the fed chain, with no per-run spans.
+    assert (f"| {row['shape']} | fed | {row['span_us']:.1f} | {ours:.1f} | {timer:.1f} | "
+            f"{sum(gaps.values()):.1f} | {row['span_us'] - timer:.1f} | - | - |") in text
+    spans = ", ".join(f"{x:.1f}" for x in back["run_span_us"])
+    assert (f"| {row['shape']} | serial | {ours:.1f} | {ours:.1f} | 0.0 | 0.0 | {ours:.1f} | "
+            f"{spans} | {back['between_runs_us']:.1f} |") in text
 
 
 def test_empty_folder_has_no_sections(tmp_path):

@@ -93,6 +93,36 @@ def test_runs_in_flight_are_one_chain_fed_run_to_run():
     assert 0 < t < 1.0
 
 
+def test_serial_chain_keeps_every_call_with_no_feeding_kernel():
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.uniform(1, 2, (8, 128)), jnp.float32)
+    y = jnp.asarray(rng.uniform(1, 2, (8, 128)), jnp.float32)
+
+    def call(a, b):
+        return jnp.sin(a) * b + 1.0
+
+    n = 4
+    firsts = tuple(x + i for i in range(n))
+    many = timing.chained(call, n, serial=True)
+    outs = many(firsts, y)
+    # Every call is its own, on its own first argument, and comes back.
+    assert len(outs) == n
+    for i, out in enumerate(outs):
+        want = np.sin(np.asarray(x, np.float64) + i) * np.asarray(y, np.float64) + 1.0
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    # n calls in the compiled program (XLA merged none), and nothing else between them: no
+    # dependency update, no compare, no copy.
+    text = many.lower(firsts, y).compile().as_text()
+    assert text.count(" sine(") == n, text
+    assert "compare(" not in text and "dynamic-update-slice(" not in text
+    with pytest.raises(ValueError, match="exclusive"):
+        timing.chained(call, 2, fed=True, serial=True)
+    with pytest.raises(ValueError, match="exclusive"):
+        timing.device_time(call, x, y, in_flight=True, serial=True)
+    t = timing.device_time(call, x, y, min_ms=0.5, reps=2, serial=True)
+    assert 0 < t < 1.0
+
+
 def test_in_flight_time_divides_by_every_run_it_waited_for(monkeypatch):
     import time
 
@@ -118,17 +148,22 @@ def test_in_flight_runs_fill_the_timing(monkeypatch):
     assert timing.in_flight_runs(1.0) == 2 and timing.in_flight_runs(0.0) == 1024
 
 
-def test_chain_gaps_reads_the_first_run_and_the_gaps_between_runs(monkeypatch):
+@pytest.mark.parametrize("serial", [False, True])
+def test_chain_gaps_reads_the_first_run_and_the_gaps_between_runs(monkeypatch, serial):
     """``profile.chain_gaps`` on a made CUPTI record: three runs of two calls, each call a
-    decode and a reduce; the first run's span and kernels per call, and the idle time between
-    runs. The runs themselves really run (on CPU), each fed the last."""
+    decode and a reduce, the first run with an idle gap between its calls (as a run XLA ran
+    one thunk at a time); the first run's span and kernels per call, every run's span, and the
+    idle time between runs. The runs themselves really run (on CPU), each fed the last, or
+    (``serial``) each call on its own copy of the first argument."""
     from jax_mla.bench import profile
 
     rng = np.random.default_rng()
-    dec, red, idle = rng.uniform(5, 20), rng.uniform(1, 5), rng.uniform(50, 150)
+    dec, red, idle, slow = rng.uniform(5, 20), rng.uniform(1, 5), rng.uniform(50, 150), \
+        rng.uniform(10, 30)
     ev, t = [], 0.0
-    for _run in range(3):
-        for _ in range(2):
+    for run in range(3):
+        for call in range(2):
+            t += slow if run == 0 and call == 1 else 0.0
             for name, dur in (("mla_decode_kernel", dec), ("mla_reduce_affine_x", red)):
                 ev.append({"name": name, "ts": t, "dur": dur})
                 t += dur
@@ -141,15 +176,18 @@ def test_chain_gaps_reads_the_first_run_and_the_gaps_between_runs(monkeypatch):
         return ev
 
     monkeypatch.setattr(profile, "_profile", fake_profile)
-    got = profile.chain_gaps(lambda a: a * 2.0, jnp.ones(8), n=2, runs=3)
+    got = profile.chain_gaps(lambda a: a * 2.0, jnp.ones(8), n=2, runs=3, serial=serial)
     assert ran and got["launches"] == 2
-    assert got["span_us"] == pytest.approx(dec + red)
+    assert got["span_us"] == pytest.approx(dec + red + slow / 2)
     assert got["kernels_us"] == {"mla_decode": pytest.approx(dec),
                                  "mla_reduce_affine": pytest.approx(red)}
+    assert got["gap_before_us"]["mla_decode"] == pytest.approx(slow / 2)
+    assert got["run_span_us"] == pytest.approx([dec + red + slow / 2, dec + red, dec + red])
     assert got["between_runs_us"] == pytest.approx(idle)
     ev.append({"name": "stray", "ts": t, "dur": 1.0})  # runs that do not split evenly
-    got = profile.chain_gaps(lambda a: a * 2.0, jnp.ones(8), n=2, runs=3)
-    assert got["between_runs_us"] is None and got["launches"] == pytest.approx(13 / 6)
+    got = profile.chain_gaps(lambda a: a * 2.0, jnp.ones(8), n=2, runs=3, serial=serial)
+    assert got["between_runs_us"] is None and got["run_span_us"] is None
+    assert got["launches"] == pytest.approx(13 / 6)
     assert got["span_us"] == pytest.approx((t + 1.0) / 6)
 
 
@@ -267,8 +305,9 @@ def test_ab_keeps_the_shapes_it_measured_when_a_later_one_fails(tmp_path, monkey
 @pytest.mark.parametrize("peer_fails", [False, True])
 def test_ab_in_flight_times_every_row_and_flashmla_by_our_clock(tmp_path, monkeypatch,
                                                                  peer_fails):
-    """``bench.ab --in-flight``: our rows and FlashMLA's carry the stream time with runs in
-    flight, FlashMLA's also its graph timed by our stream timer's wall clock. A FlashMLA
+    """``bench.ab --in-flight --serial``: our rows and FlashMLA's carry the stream time with
+    runs in flight, FlashMLA's also its graph timed by our stream timer's wall clock, ours the
+    serial chain's. A FlashMLA
     timing that fails (a graph capture broken, 2026-12-06) drops its row, not the run."""
     import json
 
@@ -299,7 +338,7 @@ def test_ab_in_flight_times_every_row_and_flashmla_by_our_clock(tmp_path, monkey
 
     monkeypatch.setattr(ab, "_flashmla", lambda shape, args, table, lens: Peer(args))
     out = tmp_path / "ab.json"
-    ab.main([str(out), "--rounds", "1", "--in-flight", "base", "--", "1,2,200"])
+    ab.main([str(out), "--rounds", "1", "--in-flight", "--serial", "base", "--", "1,2,200"])
     if peer_fails:
         (ours,) = json.loads(out.read_text())
         assert ours["variant"] == "base" and ours["in_flight_best_us"] > 0
@@ -307,6 +346,8 @@ def test_ab_in_flight_times_every_row_and_flashmla_by_our_clock(tmp_path, monkey
     ours, peer = json.loads(out.read_text())
     assert ours["variant"] == "base" and peer["variant"] == "flashmla"
     assert ours["in_flight_best_us"] > 0 and "wall_best_us" not in ours
+    # ``--serial``: our calls back to back, no feeding kernel; FlashMLA's graph has no such row.
+    assert ours["serial_best_us"] == min(ours["serial_us"]) > 0 and "serial_us" not in peer
     assert peer["best_us"] == pytest.approx(said["stream"] * 1e6)
     assert peer["wall_best_us"] == pytest.approx(said["wall"] * 1e6)
     assert peer["in_flight_best_us"] == pytest.approx(said["in_flight"] * 1e6)

@@ -8,7 +8,9 @@
 variant's chain with its output buffers donated run to run (``timing.device_time``);
 ``--in-flight`` also times every row with runs in flight (``timing.device_time(...,
 in_flight=True)``; FlashMLA's graph replayed back to back) and FlashMLA's graph by our stream
-timer's wall clock (``peers.FlashMLA.wall_time``). Each
+timer's wall clock (``peers.FlashMLA.wall_time``); ``--serial`` also times our rows' calls back
+to back with no dependency and no feeding kernel (``timing.device_time(..., serial=True)``),
+as FlashMLA's graph of calls is timed. Each
 variant is its own plan (the tuning object is part of it, so of the jit cache key): no
 environment, no cleared caches.
 For every shape the variants are timed in turn, ``--rounds`` times over (interleaved, so drift
@@ -54,7 +56,7 @@ def parse_variant(text: str) -> tuple[str, TritonTuning]:
 
 def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
         peers: bool = True, on_rows=None, donated: bool = False,
-        in_flight: bool = False) -> list[dict]:
+        in_flight: bool = False, serial: bool = False) -> list[dict]:
     """Rows of ``{shape, variant, us (rounds), best_us, vs_first, rel_err_vs_first,
     metadata_us, ...}``; with ``gpu_time`` (CUPTI) also ``gpu_us``, ``launches``,
     ``kernels_us``, the metadata's ``metadata_gpu_us`` / ``metadata_launches`` /
@@ -64,7 +66,9 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
     ``donated_best_us``: the stream time with the chain's outputs donated run to run. With
     ``in_flight``, every row also carries ``in_flight_us`` / ``in_flight_best_us`` (runs
     dispatched back to back), and FlashMLA's ``wall_us`` / ``wall_best_us`` (its graph timed by
-    our stream timer's clock: wall around each replay and its wait). Every
+    our stream timer's clock: wall around each replay and its wait). With ``serial``, our rows
+    also carry ``serial_us`` / ``serial_best_us`` (the calls back to back, no feeding kernel
+    between them). Every
     stream time is taken before any CUPTI trace: once CUPTI has traced a process, every launch
     in it costs more. ``on_rows(rows)`` is called with the rows so far after each shape and
     each shape's GPU times (``main`` writes them: a run cut short keeps what it measured)."""
@@ -79,6 +83,7 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
         fm = _flashmla(shape, calls[names[0]][1], *builds[names[0]][1]) if peers else None
         times = {name: [] for name in names + (["flashmla"] if fm else [])}
         kept = {name: [] for name in names}
+        back = {name: [] for name in names}
         flight = {name: [] for name in times}
         walls = []
         for _ in range(rounds):
@@ -90,6 +95,8 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
                 if in_flight:
                     flight[name].append(device_time(fn, *args, min_ms=20, in_flight=True)
                                         * 1e6)
+                if serial:
+                    back[name].append(device_time(fn, *args, min_ms=20, serial=True) * 1e6)
             if fm:
                 try:
                     times["flashmla"].append(fm.stream_time() * 1e6)
@@ -121,6 +128,8 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
                 row["metadata_us"] = metadata_time(build, table, lens, min_ms=5) * 1e6
                 if donated:
                     row.update(donated_us=kept[name], donated_best_us=min(kept[name]))
+                if serial:
+                    row.update(serial_us=back[name], serial_best_us=min(back[name]))
             elif in_flight:
                 row.update(wall_us=walls, wall_best_us=min(walls))
             if in_flight:
@@ -128,7 +137,8 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
             rows.append(row)
             kept_text = "".join(f" ({label} {row[key]:8.1f} us)" for key, label in (
                 ("donated_best_us", "outputs donated"), ("wall_best_us", "wall"),
-                ("in_flight_best_us", "in flight")) if key in row)
+                ("in_flight_best_us", "in flight"), ("serial_best_us", "serial"))
+                if key in row)
             print(f"{shape.name:<28} {name:<12} best {row['best_us']:8.1f} us{kept_text} "
                   f"x{row['vs_first']:.3f} err {row['rel_err_vs_first']:.1e}", flush=True)
         cases.append((shape, calls, builds, fm))
@@ -191,7 +201,8 @@ def main(argv=None) -> int:
     with_peers = "--no-peers" not in argv
     donated = "--donated" in argv
     in_flight = "--in-flight" in argv
-    argv = [a for a in argv if a not in ("--no-peers", "--donated", "--in-flight")]
+    serial = "--serial" in argv
+    argv = [a for a in argv if a not in ("--no-peers", "--donated", "--in-flight", "--serial")]
     path, rest = argv[0], argv[1:]
     split = rest.index("--")
     variants = [parse_variant(v) for v in rest[:split]]
@@ -201,7 +212,7 @@ def main(argv=None) -> int:
             json.dump(rows, f, indent=1)
 
     write(run(shapes, variants, rounds, peers=with_peers, on_rows=write, donated=donated,
-              in_flight=in_flight))
+              in_flight=in_flight, serial=serial))
     return 0
 
 

@@ -96,23 +96,35 @@ def kernel_times(fn, *args, calls: int = 20) -> dict:
             "kernels_us": per}
 
 
-def chain_gaps(fn, *args, n: int = 32, runs: int = 3) -> dict:
+def chain_gaps(fn, *args, n: int = 32, runs: int = 3, serial: bool = False) -> dict:
     """The timing chain of ``n`` dependent calls under CUPTI, ``runs`` runs of it dispatched
     back to back, each fed the last (``timing.chained(..., fed=True)``, as the stream timer's
-    runs in flight): the first run's GPU span per call, each kernel family's own time and the
-    idle gap before it, per call; and ``between_runs_us``, the GPU's mean idle time from one
-    run's last kernel to the next one's first (None where the runs' kernels do not split
-    evenly)."""
+    runs in flight); with ``serial``, ``n`` calls back to back with no dependency and no
+    feeding kernel (``timing.chained(..., serial=True)``), runs dispatched back to back. The
+    first run's GPU span per call, each kernel family's own time and the idle gap before it,
+    per call; ``run_span_us``, every run's span per call (a run XLA ran one thunk at a time
+    shows there); and ``between_runs_us``, the GPU's mean idle time from one run's last kernel
+    to the next one's first (both None where the runs' kernels do not split evenly)."""
     from jax_mla.bench.timing import chained
 
-    many = chained(fn, n, fed=True)
-    prev = jax.block_until_ready(many(jax.jit(fn)(*args), *args))
+    if serial:
+        import jax.numpy as jnp
 
-    def run():
-        out = prev
-        for _ in range(runs):
-            out = many(out, *args)
-        jax.block_until_ready(out)
+        many = chained(fn, n, serial=True)
+        inputs = (tuple(jnp.array(args[0], copy=True) for _ in range(n)), *args[1:])
+        jax.block_until_ready(many(*inputs))
+
+        def run():
+            jax.block_until_ready([many(*inputs) for _ in range(runs)])
+    else:
+        many = chained(fn, n, fed=True)
+        prev = jax.block_until_ready(many(jax.jit(fn)(*args), *args))
+
+        def run():
+            out = prev
+            for _ in range(runs):
+                out = many(out, *args)
+            jax.block_until_ready(out)
 
     ev = _profile(run)
     each = len(ev) // runs if len(ev) % runs == 0 else None
@@ -130,8 +142,10 @@ def chain_gaps(fn, *args, n: int = 32, runs: int = 3) -> dict:
                                           - float(a["dur"])) / calls
     between = ([float(ev[r * each]["ts"]) - end[r * each - 1] for r in range(1, runs)]
                if each and runs > 1 else None)
+    spans = ([(end[(r + 1) * each - 1] - float(ev[r * each]["ts"])) / n for r in range(runs)]
+             if each else None)
     return {"span_us": span, "kernels_us": own, "gap_before_us": gap,
-            "launches": len(first) / calls,
+            "launches": len(first) / calls, "run_span_us": spans,
             "between_runs_us": sum(between) / len(between) if between else None}
 
 

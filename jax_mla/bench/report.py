@@ -159,34 +159,44 @@ def update_modes_table(by_mode: dict) -> str:
     return "\n".join(out)
 
 
-# Stream columns a run may add (``bench.ab --donated`` / ``--in-flight``), where a row has them.
+# Stream columns a run may add (``bench.ab --donated`` / ``--in-flight`` / ``--serial``), where
+# a row has them.
 _AB_STREAMS = (("donated_best_us", "outputs donated µs"),
                ("wall_best_us", "FlashMLA's graph, our clock µs"),
-               ("in_flight_best_us", "runs in flight µs"))
+               ("in_flight_best_us", "runs in flight µs"),
+               ("serial_best_us", "calls back to back, no feeding kernel µs"))
+# Those of them a table also divides by the GPU time.
+_AB_RATIOS = (("in_flight_best_us", "in flight"), ("serial_best_us", "back to back"))
 
 
-def _stream_columns(rows) -> tuple[list, bool]:
-    """The extra stream columns ``rows`` have (``(key, label)``), and whether runs in flight
-    are among them (then a ratio to the GPU time follows)."""
+def _stream_columns(rows) -> tuple[list, list]:
+    """The extra stream columns ``rows`` have (``(key, label)``), and those of them divided by
+    the GPU time in a column of their own (``(key, label)``: runs in flight, calls back to
+    back)."""
     extra = [(key, label) for key, label in _AB_STREAMS if any(key in r for r in rows)]
-    return extra, any(key == "in_flight_best_us" for key, _ in extra)
+    keys = {key for key, _ in extra}
+    return extra, [(key, label) for key, label in _AB_RATIOS if key in keys]
+
+
+def _ratio_cells(r, ratios) -> str:
+    """A row's ``key / GPU`` cells (``-`` where it has no GPU time or no such stream time)."""
+    gpu = r.get("gpu_us")
+    return "".join(f"{_f(r[key] / gpu if gpu and r.get(key) else None, 3)} | "
+                   for key, _ in ratios)
 
 
 def ab_table(rows) -> str:
-    extra, flight = _stream_columns(rows)
+    extra, ratios = _stream_columns(rows)
     out = ["| shape | variant | best stream µs | " + "".join(f"{label} | " for _, label in extra)
-           + "× first | GPU µs | " + ("in flight ÷ GPU | " if flight else "")
+           + "× first | GPU µs | " + "".join(f"{label} ÷ GPU | " for _, label in ratios)
            + "rel err vs first | LSE max abs err vs first |",
-           "|---|---|---|---|---|---|---|" + "---|" * (len(extra) + flight)]
+           "|---|---|---|---|---|---|---|" + "---|" * (len(extra) + len(ratios))]
     for r in rows:
         # "-": not compared (rows of separate processes)
         gpu = r.get("gpu_us")
-        ratio = (f"{r['in_flight_best_us'] / gpu:.3f}" if gpu and "in_flight_best_us" in r
-                 else "-")
         out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
                    + "".join(f"{_f(r.get(key))} | " for key, _ in extra)
-                   + f"{r['vs_first']:.3f} | {_f(gpu)} | "
-                   + (f"{ratio} | " if flight else "")
+                   + f"{r['vs_first']:.3f} | {_f(gpu)} | " + _ratio_cells(r, ratios)
                    + f"{_e(r.get('rel_err_vs_first'))} | {_e(r.get('lse_max_abs_err_vs_first'))} |")
     return "\n".join(out)
 
@@ -319,12 +329,12 @@ def launcher_table(rows) -> str:
     """The launcher A/B (``launcher_ab.json``): both timers (the stream time also with runs in
     flight, FlashMLA's graph also by our clock, where measured), stream over GPU time,
     metadata, command buffers, and FlashMLA beside where it ran."""
-    extra, flight = _stream_columns(rows)
+    extra, ratios = _stream_columns(rows)
     out = ["| shape | variant | stream µs | " + "".join(f"{label} | " for _, label in extra)
-           + "GPU µs | stream / GPU | " + ("in flight / GPU | " if flight else "")
+           + "GPU µs | stream / GPU | " + "".join(f"{label} / GPU | " for _, label in ratios)
            + "launches | metadata GPU µs (launches, memcpys) | command buffers (FFI calls in "
            "them / all) | rel err vs first |",
-           "|---|---|---|---|---|---|---|---|---|" + "---|" * (len(extra) + flight)]
+           "|---|---|---|---|---|---|---|---|---|" + "---|" * (len(extra) + len(ratios))]
     for r in rows:
         gpu = r.get("gpu_us")
         cb = ("-" if "command_buffers" not in r else
@@ -332,12 +342,10 @@ def launcher_table(rows) -> str:
               f"{r['custom_calls']})")
         md = (f"{_f(r.get('metadata_gpu_us'))} ({_f(r.get('metadata_launches'), 0)}, "
               f"{_f(r.get('metadata_memcpys'), 0)})")
-        in_flight = r.get("in_flight_best_us")
         out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
                    + "".join(f"{_f(r.get(key))} | " for key, _ in extra) + f"{_f(gpu)} | "
                    f"{_f(r['best_us'] / gpu if gpu else None, 3)} | "
-                   + (f"{_f(in_flight / gpu if gpu and in_flight else None, 3)} | "
-                      if flight else "")
+                   + _ratio_cells(r, ratios)
                    + f"{_f(r.get('launches'), 0)} | {md} | {cb} | "
                    f"{r['rel_err_vs_first']:.1e} |")
     return "\n".join(out)
@@ -346,17 +354,20 @@ def launcher_table(rows) -> str:
 def gaps_table(rows) -> str:
     """``gaps.json`` (the session's ``gaps`` stage): the timing chain on the GPU's timeline
     (CUPTI), per call: its span, our kernels' time and the timer's own (the kernels that feed
-    each call its dependency on the one before), and the idle gaps between kernels."""
-    out = ["| shape | span µs a call | our kernels µs | the timer's kernels µs | gaps µs | "
-           "span less the timer's kernels µs | idle between runs µs |",
-           "|---|---|---|---|---|---|---|"]
+    each call its dependency on the one before; none in the back-to-back chain), the idle gaps
+    between kernels, every run's span and the idle time between runs."""
+    out = ["| shape | chain | span µs a call | our kernels µs | the timer's kernels µs | gaps µs | "
+           "span less the timer's kernels µs | each run's span µs a call | "
+           "idle between runs µs |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = sum(v for k, v in r["kernels_us"].items() if k.startswith("mla_"))
         timer = sum(v for k, v in r["kernels_us"].items() if not k.startswith("mla_"))
         gaps = sum(r["gap_before_us"].values())
-        out.append(f"| {r['shape']} | {r['span_us']:.1f} | {ours:.1f} | {timer:.1f} | "
-                   f"{gaps:.1f} | {r['span_us'] - timer:.1f} | "
-                   f"{_f(r.get('between_runs_us'))} |")
+        spans = ", ".join(f"{x:.1f}" for x in r.get("run_span_us") or []) or "-"
+        out.append(f"| {r['shape']} | {r.get('chain', 'fed')} | {r['span_us']:.1f} | "
+                   f"{ours:.1f} | {timer:.1f} | {gaps:.1f} | {r['span_us'] - timer:.1f} | "
+                   f"{spans} | {_f(r.get('between_runs_us'))} |")
     return "\n".join(out)
 
 

@@ -230,23 +230,30 @@ def stage_kernels(_):
         json.dump(rows, f, indent=1)
 
 
-def stage_gaps(_):
+def stage_gaps(shapes):
+    """The timing chain on the GPU's timeline (``profile.chain_gaps``), per shape (those given
+    after ``--``, else :data:`GAP_SHAPES`) twice: the
+    stream timer's fed chain (``chain: fed``) and the calls back to back with no feeding kernel
+    (``chain: serial``)."""
     import numpy as np
 
     from jax_mla.bench import profile
     from jax_mla.bench.decode import Shape, attention_call
 
     rows = []
-    for spec in GAP_SHAPES:
+    for spec in shapes or GAP_SHAPES:
         shape = Shape.parse(spec)
         fn, args = attention_call(shape, np.random.default_rng(0))
-        row = {"shape": shape.name, **profile.chain_gaps(fn, *args)}
-        rows.append(row)
-        between = row.get("between_runs_us")
-        log(f"{shape.name}: span {row['span_us']:.1f} us/call, "
-            + ("-" if between is None else f"{between:.1f}") + " us between runs; kernels "
-            + ", ".join(f"{k} {v:.1f}" for k, v in row["kernels_us"].items()) + "; gaps "
-            + ", ".join(f"{k} {v:.1f}" for k, v in row["gap_before_us"].items()))
+        for chain in ("fed", "serial"):
+            row = {"shape": shape.name, "chain": chain,
+                   **profile.chain_gaps(fn, *args, serial=chain == "serial")}
+            rows.append(row)
+            between = row.get("between_runs_us")
+            log(f"{shape.name} {chain}: span {row['span_us']:.1f} us/call, runs "
+                + ", ".join(f"{x:.1f}" for x in row.get("run_span_us") or []) + " us/call, "
+                + ("-" if between is None else f"{between:.1f}") + " us between runs; kernels "
+                + ", ".join(f"{k} {v:.1f}" for k, v in row["kernels_us"].items()) + "; gaps "
+                + ", ".join(f"{k} {v:.1f}" for k, v in row["gap_before_us"].items()))
     with open(os.path.join(OUT, "gaps.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
@@ -485,9 +492,8 @@ def stage_record(shapes):
 def stage_launcher(shapes):
     lib = _ffi_library()
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, "launcher_ab.json"),
-             *LAUNCHER_VARIANTS, "--", *(shapes or LAUNCHER_SHAPES), "--in-flight"], 560,
-            "launcher ab",
-            JAX_MLA_FFI_LIBRARY=lib)
+             *LAUNCHER_VARIANTS, "--", *(shapes or LAUNCHER_SHAPES), "--in-flight", "--serial"],
+            560, "launcher ab", JAX_MLA_FFI_LIBRARY=lib)
 
 
 GRAPH_SHAPES = ("1,16,1024", "32,16,4096", "128,128,4096")
@@ -553,9 +559,11 @@ def _memcheck_env(lib) -> dict:
                # their arguments are the same launched one by one.
                XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
                           " --xla_gpu_enable_command_buffer=").strip(),
-               # Every program compiled once is kept (outside $OUT): a case's sanitized run
-               # loads what its warm-up run compiled (``_memcheck_case``).
-               JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(os.path.abspath(OUT)),
+               # Every program compiled once is kept, in the machine's temporary folder (never
+               # under $OUT, nested or not: its files would crowd out the results that come
+               # back): a case's sanitized run loads what its warm-up run compiled
+               # (``_memcheck_case``).
+               JAX_COMPILATION_CACHE_DIR=os.path.join(tempfile.gettempdir(),
                                                       "jax_mla_memcheck_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

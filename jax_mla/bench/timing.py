@@ -22,6 +22,11 @@ a call; the first run's host work and the last sync are not hidden, so it errs s
 fast. (On an H100, 2026-12-06, it came within 0-6 % of the stream time at every shape: what a
 run's boundary costs is not hidden by queuing runs.)
 
+*Back to back* (``serial=True``): the calls of a run take a copy of the first argument each and
+every output is returned, with no dependency between them and no kernel of the timer's own (the
+dependency above costs one small kernel a call); they follow each other on the device's stream,
+as the calls of a CUDA graph do.
+
 The copy probe of :func:`ceilings` multiplies by 1.25 (exact in bf16, so XLA cannot drop it),
 and figures above any datasheet are flagged: a broken chain shows there first.
 """
@@ -57,15 +62,21 @@ def _feed(args, out):
     return jax.tree.unflatten(tree, leaves)
 
 
-def chained(fn, n, donated: bool = False, fed: bool = False):
+def chained(fn, n, donated: bool = False, fed: bool = False, serial: bool = False):
     """``fn`` called ``n`` times, each call fed the previous one's output (module docstring),
     as one jitted program. ``donated``: the program takes one more first argument, a pytree
     shaped like the output, donated and ignored, so that the output is written into the
     buffers passed in (:func:`device_time` passes the last run's output back). ``fed``: the
     program takes the previous run's output first and feeds its first call from it, so that
-    runs dispatched back to back are one chain."""
-    if donated and fed:
-        raise ValueError("chained: donated and fed are exclusive")
+    runs dispatched back to back are one chain. ``serial``: no dependency and no feeding
+    kernel; the program takes a tuple of ``n`` first arguments, one a call (as each layer of a
+    model has its own query), and returns every call's output, so that XLA can neither merge
+    nor drop a call; they run one after another on the device's stream, as a CUDA graph of
+    ``n`` calls replays."""
+    if donated + fed + serial > 1:
+        raise ValueError("chained: donated, fed and serial are exclusive")
+    if serial:
+        return jax.jit(lambda firsts, *rest: tuple(fn(first, *rest) for first in firsts))
 
     def many(*args):
         # The barrier materialises each call's output: XLA cannot fuse consecutive calls
@@ -109,7 +120,8 @@ def smoke() -> None:
 
 
 def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
-                max_n: int = 128, donated: bool = False, in_flight: bool = False) -> float:
+                max_n: int = 128, donated: bool = False, in_flight: bool = False,
+                serial: bool = False) -> float:
     """Median seconds per call of ``fn(*args)`` (see the module docstring).
 
     ``donated``: each run's output is written into the buffers of the run before (donated),
@@ -117,9 +129,11 @@ def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
     gets fresh output buffers, and XLA updates a command buffer whose buffers moved before it
     replays it (on an H100, 2026-12-06, the two gave the same stream times within noise).
     ``in_flight``: runs dispatched back to back, each fed the one before, one sync at the end
-    (module docstring)."""
-    if donated and in_flight:
-        raise ValueError("device_time: donated and in_flight are exclusive")
+    (module docstring). ``serial``: the calls of a run back to back with no dependency and no
+    feeding kernel, each on its own copy of the first argument (``chained(..., serial=True)``):
+    the stream time without the timer's own kernel a call, as FlashMLA's graph is timed."""
+    if donated + in_flight + serial > 1:
+        raise ValueError("device_time: donated, in_flight and serial are exclusive")
     min_ms = MIN_MS if min_ms is None else min_ms
     reps = REPS if reps is None else reps
     one = jax.jit(fn)
@@ -128,6 +142,12 @@ def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
     n = int(max(2, min(max_n, (min_ms * 1e-3) // max(est, 1e-6))))
     if in_flight:
         return _in_flight(chained(fn, n, fed=True), one(*args), args, reps) / n
+    if serial:
+        # A buffer of its own for every call's first argument: XLA sees n distinct inputs.
+        runs = ((tuple(jnp.array(args[0], copy=True) for _ in range(n)), *args[1:]),)
+        many = chained(fn, n, serial=True)
+        jax.block_until_ready(many(*runs[0]))
+        return statistics.median(_wall(many, runs[0]) for _ in range(reps)) / n
     if not donated:
         many = chained(fn, n)
         jax.block_until_ready(many(*args))
