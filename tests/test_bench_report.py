@@ -113,6 +113,13 @@ def test_launcher_table_adds_the_back_to_back_calls_and_their_ratio():
             f"{peer['gpu_us']:.1f} | {peer['best_us'] / peer['gpu_us']:.3f} | "
             f"{peer['in_flight_best_us'] / peer['gpu_us']:.3f} | - |") in text
     assert len({line.count("|") for line in text.splitlines()}) == 1
+    assert " run |" not in text
+    # Rows gathered from several runs name theirs in a last column.
+    r["run"] = "call 3"
+    text = report.launcher_table(rows)
+    assert text.splitlines()[0].endswith(" run |") and "| call 3 |" in text
+    assert text.splitlines()[-1].endswith("| - |")
+    assert len({line.count("|") for line in text.splitlines()}) == 1
     text = report.ab_table(rows)
     assert f"{r['serial_best_us'] / r['gpu_us']:.3f} |" in text
     assert len({line.count("|") for line in text.splitlines()}) == 1

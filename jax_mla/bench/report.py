@@ -328,13 +328,16 @@ def host_events_table(rows, top: int = 12) -> str:
 def launcher_table(rows) -> str:
     """The launcher A/B (``launcher_ab.json``): both timers (the stream time also with runs in
     flight, FlashMLA's graph also by our clock, where measured), stream over GPU time,
-    metadata, command buffers, and FlashMLA beside where it ran."""
+    metadata, command buffers, and FlashMLA beside where it ran. Rows gathered from several
+    runs (each shape's variants in one) name theirs (``run``) in a last column."""
     extra, ratios = _stream_columns(rows)
+    runs = any("run" in r for r in rows)
     out = ["| shape | variant | stream µs | " + "".join(f"{label} | " for _, label in extra)
            + "GPU µs | stream / GPU | " + "".join(f"{label} / GPU | " for _, label in ratios)
            + "launches | metadata GPU µs (launches, memcpys) | command buffers (FFI calls in "
-           "them / all) | rel err vs first |",
-           "|---|---|---|---|---|---|---|---|---|" + "---|" * (len(extra) + len(ratios))]
+           "them / all) | rel err vs first |" + (" run |" if runs else ""),
+           "|---|---|---|---|---|---|---|---|---|"
+           + "---|" * (len(extra) + len(ratios) + runs)]
     for r in rows:
         gpu = r.get("gpu_us")
         cb = ("-" if "command_buffers" not in r else
@@ -347,7 +350,7 @@ def launcher_table(rows) -> str:
                    f"{_f(r['best_us'] / gpu if gpu else None, 3)} | "
                    + _ratio_cells(r, ratios)
                    + f"{_f(r.get('launches'), 0)} | {md} | {cb} | "
-                   f"{r['rel_err_vs_first']:.1e} |")
+                   f"{r['rel_err_vs_first']:.1e} |" + (f" {r.get('run', '-')} |" if runs else ""))
     return "\n".join(out)
 
 
@@ -468,7 +471,7 @@ def report(folder: str) -> str:
                   kernels_table(ker, _load(folder, "kernels_before.json")), ""]
     la = _load(folder, "launcher_ab.json")
     if la:
-        parts += ["## Launchers and metadata (same run)", "",
+        parts += ["## Launchers and metadata (each shape's rows in one run)", "",
                   "`jax_triton`: jax-triton's custom call with the split plan in XLA ops (the "
                   "path before the FFI launcher); `ffi_jnp` (older runs): our FFI handler, same "
                   "metadata; `ffi`: our FFI handler and the planning kernel (the defaults); "
@@ -479,12 +482,14 @@ def report(folder: str) -> str:
     gaps = _load(folder, "gaps.json")
     if gaps:
         parts += ["## The timing chain on the GPU's timeline (CUPTI)", "",
-                  "32 chained calls of the stream timer's program, profiled: per call, the "
-                  "span from the first kernel's start to the last one's end, our kernels "
-                  "(`mla_*`), the kernels the timer adds to feed each call its dependency on "
-                  "the one before (a copy, an add and an in-place update of one query "
-                  "element), and the idle time between kernels; where measured (runs of the "
-                  "program dispatched back to back), the GPU's idle time between runs.", "",
+                  "32 calls of the stream timer's program, profiled: `fed`, each call fed "
+                  "its dependency on the one before by kernels the timer adds (a copy, an add "
+                  "and an in-place update of one query element); `serial`, the calls back to "
+                  "back on a query copy each, with no kernel of the timer's. Per call of the "
+                  "first run: the span from the first kernel's start to the last one's end, "
+                  "our kernels (`mla_*`), the timer's kernels and the idle time between "
+                  "kernels; where measured (runs of the program dispatched back to back), "
+                  "every run's span and the GPU's idle time between runs.", "",
                   gaps_table(gaps), ""]
     pl = _load(folder, "planner.json")
     if pl:
