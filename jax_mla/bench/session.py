@@ -232,9 +232,8 @@ def stage_kernels(_):
 
 def stage_gaps(shapes):
     """The timing chain on the GPU's timeline (``profile.chain_gaps``), per shape (those given
-    after ``--``, else :data:`GAP_SHAPES`) twice: the
-    stream timer's fed chain (``chain: fed``) and the calls back to back with no feeding kernel
-    (``chain: serial``)."""
+    after ``--``, else :data:`GAP_SHAPES`) twice: the stream timer's fed chain (``chain: fed``)
+    and the calls back to back with no feeding kernel (``chain: serial``)."""
     import numpy as np
 
     from jax_mla.bench import profile

@@ -144,10 +144,10 @@ def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
         return _in_flight(chained(fn, n, fed=True), one(*args), args, reps) / n
     if serial:
         # A buffer of its own for every call's first argument: XLA sees n distinct inputs.
-        runs = ((tuple(jnp.array(args[0], copy=True) for _ in range(n)), *args[1:]),)
+        inputs = (tuple(jnp.array(args[0], copy=True) for _ in range(n)), *args[1:])
         many = chained(fn, n, serial=True)
-        jax.block_until_ready(many(*runs[0]))
-        return statistics.median(_wall(many, runs[0]) for _ in range(reps)) / n
+        jax.block_until_ready(many(*inputs))
+        return statistics.median(_wall(many, inputs) for _ in range(reps)) / n
     if not donated:
         many = chained(fn, n)
         jax.block_until_ready(many(*args))
