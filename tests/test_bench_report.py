@@ -14,6 +14,14 @@ def _ab_row(rng, shape, variant):
             "rel_err_vs_first": float(rng.uniform(0, 1e-3))}
 
 
+def _ours_and_peer(rng, shape, ours=(), peer=()):
+    """Our row and FlashMLA's at ``shape``, each with the extra stream times named (random)."""
+    rows = [_ab_row(rng, shape, v) for v in ("ffi", "flashmla")]
+    for row, keys in zip(rows, (ours, peer)):
+        row.update({key: float(rng.uniform(10, 900)) for key in keys})
+    return rows
+
+
 def test_ab_and_command_buffer_sections(tmp_path):
     rng = np.random.default_rng()
     fp8 = [_ab_row(rng, "B64 H16 S4096 Q1 p64 fp8", v) for v in ("base", "cvt0")]
@@ -59,10 +67,8 @@ def test_ab_table_shows_the_donated_stream_time_where_measured():
 
 def test_ab_table_shows_runs_in_flight_and_flashmla_by_our_clock():
     rng = np.random.default_rng()
-    rows = [_ab_row(rng, "B8 H16 S4096 Q1 p64", v) for v in ("ffi", "flashmla")]
-    r, peer = rows
-    r["in_flight_best_us"], peer["in_flight_best_us"], peer["wall_best_us"] = (
-        float(x) for x in rng.uniform(10, 900, 3))
+    rows = r, peer = _ours_and_peer(rng, "B8 H16 S4096 Q1 p64", ["in_flight_best_us"],
+                                    ["in_flight_best_us", "wall_best_us"])
     text = report.ab_table(rows)
     assert "runs in flight µs" in text and "our clock µs" in text
     assert (f"| {r['shape']} | ffi | {r['best_us']:.1f} | - | {r['in_flight_best_us']:.1f} | "
@@ -75,11 +81,9 @@ def test_ab_table_shows_runs_in_flight_and_flashmla_by_our_clock():
 
 def test_launcher_and_decode_tables_add_runs_in_flight_where_measured():
     rng = np.random.default_rng()
-    rows = [_ab_row(rng, "B1 H16 S1024 Q1 p64", v) for v in ("ffi", "flashmla")]
-    assert "in flight" not in report.launcher_table(rows)
-    r, peer = rows
-    r["in_flight_best_us"], peer["in_flight_best_us"], peer["wall_best_us"] = (
-        float(x) for x in rng.uniform(10, 900, 3))
+    assert "in flight" not in report.launcher_table(_ours_and_peer(rng, "B1 H16 S1024 Q1 p64"))
+    rows = r, peer = _ours_and_peer(rng, "B1 H16 S1024 Q1 p64", ["in_flight_best_us"],
+                                    ["in_flight_best_us", "wall_best_us"])
     text = report.launcher_table(rows)
     assert (f"| ffi | {r['best_us']:.1f} | - | {r['in_flight_best_us']:.1f} | "
             f"{r['gpu_us']:.1f} | {r['best_us'] / r['gpu_us']:.3f} | "
@@ -98,10 +102,8 @@ def test_launcher_and_decode_tables_add_runs_in_flight_where_measured():
 
 def test_launcher_table_adds_the_back_to_back_calls_and_their_ratio():
     rng = np.random.default_rng()
-    rows = [_ab_row(rng, "B32 H16 S4096 Q1 p64", v) for v in ("ffi", "flashmla")]
-    r, peer = rows
-    r["in_flight_best_us"], peer["in_flight_best_us"], r["serial_best_us"] = (
-        float(x) for x in rng.uniform(10, 900, 3))
+    rows = r, peer = _ours_and_peer(rng, "B32 H16 S4096 Q1 p64",
+                                    ["in_flight_best_us", "serial_best_us"], ["in_flight_best_us"])
     text = report.launcher_table(rows)
     assert "no feeding kernel µs" in text and "back to back / GPU" in text
     assert (f"| ffi | {r['best_us']:.1f} | {r['in_flight_best_us']:.1f} | "
