@@ -327,7 +327,8 @@ def host_events_table(rows, top: int = 12) -> str:
 
 def launcher_table(rows) -> str:
     """The launcher A/B (``launcher_ab.json``): both timers (the stream time also with runs in
-    flight, FlashMLA's graph also by our clock, where measured), stream over GPU time,
+    flight and with our calls back to back, FlashMLA's graph also by our clock, where
+    measured), stream over GPU time,
     metadata, command buffers, and FlashMLA beside where it ran. Rows gathered from several
     runs (each shape's variants in one) name theirs (``run``) in a last column."""
     extra, ratios = _stream_columns(rows)
