@@ -110,8 +110,8 @@ def test_serial_chain_keeps_every_call_with_no_feeding_kernel():
     for i, out in enumerate(outs):
         want = np.sin(np.asarray(x, np.float64) + i) * np.asarray(y, np.float64) + 1.0
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
-    # n calls in the compiled program (XLA merged none), and nothing else between them: no
-    # dependency update, no compare, no copy.
+    # n calls in the compiled program (XLA merged none), and no dependency between them: no
+    # compare, no in-place update of an argument.
     text = many.lower(firsts, y).compile().as_text()
     assert text.count(" sine(") == n, text
     assert "compare(" not in text and "dynamic-update-slice(" not in text
@@ -307,8 +307,8 @@ def test_ab_in_flight_times_every_row_and_flashmla_by_our_clock(tmp_path, monkey
                                                                  peer_fails):
     """``bench.ab --in-flight --serial``: our rows and FlashMLA's carry the stream time with
     runs in flight, FlashMLA's also its graph timed by our stream timer's wall clock, ours the
-    serial chain's. A FlashMLA
-    timing that fails (a graph capture broken, 2026-12-06) drops its row, not the run."""
+    back-to-back chain's. A FlashMLA timing that fails (a graph capture broken, 2026-12-06)
+    drops its row, not the run."""
     import json
 
     from jax_mla.bench import ab
@@ -346,7 +346,7 @@ def test_ab_in_flight_times_every_row_and_flashmla_by_our_clock(tmp_path, monkey
     ours, peer = json.loads(out.read_text())
     assert ours["variant"] == "base" and peer["variant"] == "flashmla"
     assert ours["in_flight_best_us"] > 0 and "wall_best_us" not in ours
-    # ``--serial``: our calls back to back, no feeding kernel; FlashMLA's graph has no such row.
+    # ``--serial``: our calls back to back, no feeding kernel; FlashMLA's row has no such time.
     assert ours["serial_best_us"] == min(ours["serial_us"]) > 0 and "serial_us" not in peer
     assert peer["best_us"] == pytest.approx(said["stream"] * 1e6)
     assert peer["wall_best_us"] == pytest.approx(said["wall"] * 1e6)
