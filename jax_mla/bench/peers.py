@@ -147,19 +147,7 @@ class FlashMLA:
         from jax_mla.bench import timing
 
         graph, n = self._graph(min_ms, max_n)
-        t0 = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        runs = timing.in_flight_runs(time.perf_counter() - t0)
-
-        def one():
-            t0 = time.perf_counter()
-            for _ in range(runs):
-                graph.replay()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) / runs
-
-        return statistics.median(one() for _ in range(reps)) / n
+        return timing.in_flight_wall(graph.replay, torch.cuda.synchronize, reps) / n
 
     def gpu_time(self, calls: int = 20) -> dict:
         """``{"gpu_us", "launches", "kernels_us"}`` per call (CUPTI), the plan reused."""

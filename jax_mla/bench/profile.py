@@ -105,13 +105,11 @@ def chain_gaps(fn, *args, n: int = 32, runs: int = 3, serial: bool = False) -> d
     per call; ``run_span_us``, every run's span per call (a run XLA ran one thunk at a time
     shows there); and ``between_runs_us``, the GPU's mean idle time from one run's last kernel
     to the next one's first (both None where the runs' kernels do not split evenly)."""
-    from jax_mla.bench.timing import chained
+    from jax_mla.bench.timing import chained, serial_inputs
 
     if serial:
-        import jax.numpy as jnp
-
         many = chained(fn, n, serial=True)
-        inputs = (tuple(jnp.array(args[0], copy=True) for _ in range(n)), *args[1:])
+        inputs = serial_inputs(args, n)
         jax.block_until_ready(many(*inputs))
 
         def run():

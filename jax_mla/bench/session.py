@@ -8,9 +8,10 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``bench``: the decode grid, both timers, every backend (``python -m jax_mla.bench`` with the
   arguments after ``--``); ``bench_triton``: the Triton backend's alone;
 - ``kernels``: each kernel's GPU time and launches per call (CUPTI) at :data:`KERNEL_SHAPES`;
-- ``gaps``: where the stream time goes at :data:`GAP_SHAPES`: the timing chain under CUPTI
-  (three runs back to back), each kernel's time, the GPU's idle gap before it, and its idle
-  time between runs;
+- ``gaps``: where the stream time goes at :data:`GAP_SHAPES` (or the shapes after ``--``): the
+  timing chain under CUPTI, fed and with the calls back to back (three runs back to back),
+  each kernel's time, the GPU's idle gap before it, every run's span and the idle time between
+  runs;
 - ``prefill``: the prefill check and grid; ``dcp``: DCP simulated on one GPU;
 - ``aiter``: the AITER bridge against the stand-in, and its host cost per call;
 - ``ab``: the Triton tuning A/B of :data:`AB_VARIANTS` at :data:`AB_SHAPES`; ``ab_fp8``: the
@@ -45,9 +46,10 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
   with the planning kernel) at :data:`LAUNCHER_SHAPES` (or the shapes after ``--``): both
-  timers (the stream time also with runs in flight, FlashMLA's graph also by our clock),
-  metadata, command buffers, into ``launcher_ab.json``; ``record``: our launches
-  captured or recorded through XLA's record stage (:data:`RECORD_AB`, ``record_ab.json``).
+  timers (the stream time also with runs in flight and with our calls back to back,
+  FlashMLA's graph also by our clock), metadata, command buffers, into ``launcher_ab.json``;
+  ``record``: our launches captured or recorded through XLA's record stage
+  (:data:`RECORD_AB`, ``record_ab.json``).
 - ``ncu``: Nsight Compute's counters for one call's kernels, ours beside FlashMLA's and cuDNN's
   (``jax_mla.bench.ncu``, ``ncu.json``; the cases after ``--``).
 

@@ -143,8 +143,7 @@ def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
     if in_flight:
         return _in_flight(chained(fn, n, fed=True), one(*args), args, reps) / n
     if serial:
-        # A buffer of its own for every call's first argument: XLA sees n distinct inputs.
-        inputs = (tuple(jnp.array(args[0], copy=True) for _ in range(n)), *args[1:])
+        inputs = serial_inputs(args, n)
         many = chained(fn, n, serial=True)
         jax.block_until_ready(many(*inputs))
         return statistics.median(_wall(many, inputs) for _ in range(reps)) / n
@@ -167,21 +166,40 @@ def in_flight_runs(run_s: float) -> int:
     return int(min(1024, max(2, -(-IN_FLIGHT_MS * 1e-3 // max(run_s, 1e-6)))))
 
 
-def _in_flight(many, prev, args, reps) -> float:
-    """Median seconds per run of ``many(prev, *args)`` dispatched back to back, each fed the
-    last one's output, for about :data:`IN_FLIGHT_MS` a timing."""
-    prev = jax.block_until_ready(many(prev, *args))  # compiles
+def in_flight_wall(step, wait, reps) -> float:
+    """Median wall seconds a step of ``step()`` calls issued back to back, with one ``wait()``
+    at the end, for about :data:`IN_FLIGHT_MS` a timing (one step and its wait, untimed,
+    size it). Our fed runs (:func:`_in_flight`) and FlashMLA's graph replays
+    (``peers.FlashMLA.in_flight_time``) are timed by it."""
     t0 = time.perf_counter()
-    prev = jax.block_until_ready(many(prev, *args))
+    step()
+    wait()
     runs = in_flight_runs(time.perf_counter() - t0)
     walls = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(runs):
-            prev = many(prev, *args)
-        jax.block_until_ready(prev)
+            step()
+        wait()
         walls.append((time.perf_counter() - t0) / runs)
     return statistics.median(walls)
+
+
+def _in_flight(many, prev, args, reps) -> float:
+    """Median seconds per run of ``many(prev, *args)`` dispatched back to back, each fed the
+    last one's output (:func:`in_flight_wall`)."""
+    last = [jax.block_until_ready(many(prev, *args))]  # compiles
+
+    def step():
+        last[0] = many(last[0], *args)
+
+    return in_flight_wall(step, lambda: jax.block_until_ready(last[0]), reps)
+
+
+def serial_inputs(args, n: int) -> tuple:
+    """``chained(..., serial=True)``'s arguments for ``n`` calls of ``fn(*args)``: a buffer of
+    its own for every call's first argument (XLA sees ``n`` distinct inputs), the rest shared."""
+    return (tuple(jnp.array(args[0], copy=True) for _ in range(n)), *args[1:])
 
 
 def dispatch_time(fn, *args, n: int | None = None, reps: int | None = None) -> float:
