@@ -342,16 +342,10 @@ ffi::ErrorOr<std::vector<void*>> KernelPointers(ffi::RemainingArgs args, ffi::Re
   return ptrs;
 }
 
-ffi::Error Execute(bool hip, void* stream, int32_t device, ffi::RemainingArgs args,
-                   ffi::RemainingRets rets, const Launch& l) {
-  const Driver& d = GetDriver(hip);
-  auto function = GetFunction(d, stream, device, l);
-  if (function.has_error()) return function.error();
-  if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) return ffi::Error::Success();
-  auto ptrs = KernelPointers(args, rets, rets.size(), l.hidden_params);
-  if (ptrs.has_error()) return ptrs.error();
-  std::vector<void*> params(ptrs->size());
-  for (size_t i = 0; i < ptrs->size(); ++i) params[i] = &(*ptrs)[i];
+// Launches `function` (looked up for `l`) on `stream` with `params` (pointers to its
+// parameters), with programmatic dependent launch where `l` asks for it and the driver has it.
+ffi::Error LaunchFunction(const Driver& d, void* function, void* stream, const Launch& l,
+                          void** params) {
   Result r = 0;
   if (l.pdl != 0 && d.launch_kernel_ex != nullptr) {
     // The kernel may start before its predecessor on the stream ends: it waits for it
@@ -362,16 +356,137 @@ ffi::Error Execute(bool hip, void* stream, int32_t device, ffi::RemainingArgs ar
     CuLaunchConfig config{static_cast<unsigned>(l.grid[0]), static_cast<unsigned>(l.grid[1]),
                           static_cast<unsigned>(l.grid[2]), static_cast<unsigned>(l.block_threads),
                           1, 1, static_cast<unsigned>(l.shared_bytes), stream, &attr, 1};
-    r = d.launch_kernel_ex(&config, *function, params.data(), nullptr);
+    r = d.launch_kernel_ex(&config, function, params, nullptr);
   } else {
     // ROCm, or a driver without cuLaunchKernelEx: an ordinary launch (the kernel's wait is
     // then a no-op).
-    r = d.launch_kernel(*function, l.grid[0], l.grid[1], l.grid[2], l.block_threads, 1, 1,
-                        l.shared_bytes, stream, params.data(), nullptr);
+    r = d.launch_kernel(function, l.grid[0], l.grid[1], l.grid[2], l.block_threads, 1, 1,
+                        l.shared_bytes, stream, params, nullptr);
   }
   if (r != 0) {
     return ffi::Error::Internal("jax_mla: launching " + std::string(l.name) + " failed (" +
                                 d.Describe(r) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Execute(bool hip, void* stream, int32_t device, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, const Launch& l) {
+  const Driver& d = GetDriver(hip);
+  auto function = GetFunction(d, stream, device, l);
+  if (function.has_error()) return function.error();
+  if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) return ffi::Error::Success();
+  auto ptrs = KernelPointers(args, rets, rets.size(), l.hidden_params);
+  if (ptrs.has_error()) return ptrs.error();
+  std::vector<void*> params(ptrs->size());
+  for (size_t i = 0; i < ptrs->size(); ++i) params[i] = &(*ptrs)[i];
+  return LaunchFunction(d, *function, stream, l, params.data());
+}
+
+// A sequence of launches in one custom call: N kernels, launched in order on XLA's stream, whose
+// parameters are chosen among the call's buffers by index (operands 0.., then results
+// n_args..), each followed by its hidden (null) parameters. A step that writes a result and a
+// later step that reads it (a decode kernel's partials and the reduce that merges them) then
+// cost XLA one command, not two. Per-kernel attributes are arrays of N (the grids 3N); the
+// names are joined by ','; the binaries are concatenated, kernel k's bytes at
+// [binary_offsets[k], binary_offsets[k + 1]); kernel k's parameters are
+// params[param_offsets[k]:param_offsets[k + 1]].
+struct Sequence {
+  std::string_view names;
+  ffi::Span<const uint8_t> binaries;
+  ffi::Span<const int64_t> binary_offsets, binary_hashes;
+  ffi::Span<const int32_t> grids, threads, shared, hidden, pdl, params, param_offsets;
+  std::string_view target;
+
+  size_t size() const { return binary_hashes.size(); }
+
+  // Whether the arrays agree with each other and with `n_buffers`; the error names the rule.
+  ffi::Error Check(size_t n_buffers) const {
+    const size_t n = size();
+    auto bad = [](const std::string& what) {
+      return ffi::Error::InvalidArgument("jax_mla: launch sequence: " + what);
+    };
+    if (n == 0) return bad("no kernel");
+    if (binary_offsets.size() != n + 1 || param_offsets.size() != n + 1 || grids.size() != 3 * n ||
+        threads.size() != n || shared.size() != n || hidden.size() != n || pdl.size() != n) {
+      return bad("per-kernel attributes of " + std::to_string(n) + " kernels disagree in length");
+    }
+    size_t commas = 0;
+    for (char c : names) commas += c == ',';
+    if (commas + 1 != n) return bad("kernel_names does not hold " + std::to_string(n) + " names");
+    for (size_t k = 0; k < n; ++k) {
+      if (binary_offsets[k] < 0 || binary_offsets[k] > binary_offsets[k + 1] ||
+          param_offsets[k] < 0 || param_offsets[k] > param_offsets[k + 1] || hidden[k] < 0) {
+        return bad("offsets of kernel " + std::to_string(k) + " out of order");
+      }
+    }
+    if (static_cast<size_t>(binary_offsets[n]) != binaries.size() ||
+        static_cast<size_t>(param_offsets[n]) != params.size()) {
+      return bad("the last offsets do not end the binaries and the parameters");
+    }
+    for (int32_t i : params) {
+      if (i < 0 || static_cast<size_t>(i) >= n_buffers) {
+        return bad("parameter index " + std::to_string(i) + " is not one of the call's " +
+                   std::to_string(n_buffers) + " buffers");
+      }
+    }
+    return ffi::Error::Success();
+  }
+
+  // Kernel k's launch (its name a view into `names`).
+  Launch At(size_t k) const {
+    size_t start = 0;
+    for (size_t i = 0; i < k; ++i) start = names.find(',', start) + 1;
+    size_t end = names.find(',', start);
+    std::string_view name = names.substr(start, end == std::string_view::npos ? end : end - start);
+    const uint8_t* bytes = binaries.begin() + binary_offsets[k];
+    return Launch{name,
+                  ffi::Span<const uint8_t>(bytes, static_cast<size_t>(binary_offsets[k + 1] -
+                                                                      binary_offsets[k])),
+                  binary_hashes[k],
+                  {grids[3 * k], grids[3 * k + 1], grids[3 * k + 2]},
+                  threads[k],
+                  shared[k],
+                  hidden[k],
+                  target,
+                  pdl[k]};
+  }
+
+  // Kernel k's parameters: the chosen buffers' addresses, then its hidden nulls.
+  std::vector<void*> Pointers(size_t k, const std::vector<void*>& buffers) const {
+    std::vector<void*> out;
+    out.reserve(static_cast<size_t>(param_offsets[k + 1] - param_offsets[k] + hidden[k]));
+    for (int32_t i = param_offsets[k]; i < param_offsets[k + 1]; ++i) {
+      out.push_back(buffers[static_cast<size_t>(params[i])]);
+    }
+    for (int32_t i = 0; i < hidden[k]; ++i) out.push_back(nullptr);
+    return out;
+  }
+};
+
+// Every operand's address, then the first `n_rets` results'.
+ffi::ErrorOr<std::vector<void*>> Buffers(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                         size_t n_rets) {
+  return KernelPointers(args, rets, n_rets, 0);
+}
+
+ffi::Error ExecuteSequence(bool hip, void* stream, int32_t device, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets, const Sequence& seq) {
+  if (ffi::Error e = seq.Check(args.size() + rets.size()); e.failure()) return e;
+  const Driver& d = GetDriver(hip);
+  auto buffers = Buffers(args, rets, rets.size());
+  if (buffers.has_error()) return buffers.error();
+  for (size_t k = 0; k < seq.size(); ++k) {
+    Launch l = seq.At(k);
+    auto function = GetFunction(d, stream, device, l);
+    if (function.has_error()) return function.error();
+    if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) continue;
+    std::vector<void*> ptrs = seq.Pointers(k, *buffers);
+    std::vector<void*> params(ptrs.size());
+    for (size_t i = 0; i < ptrs.size(); ++i) params[i] = &ptrs[i];
+    if (ffi::Error e = LaunchFunction(d, *function, stream, l, params.data()); e.failure()) {
+      return e;
+    }
   }
   return ffi::Error::Success();
 }
@@ -521,6 +636,52 @@ auto BindLaunch(Binding binding) {
                              .RemainingRets());
 }
 
+// The sequence's attributes (Sequence above).
+#define JAX_MLA_SEQUENCE_ATTR_PARAMS                                                          \
+  std::string_view names, ffi::Span<const uint8_t> binaries,                                  \
+      ffi::Span<const int64_t> binary_offsets, ffi::Span<const int64_t> binary_hashes,         \
+      ffi::Span<const int32_t> grids, ffi::Span<const int32_t> threads,                        \
+      ffi::Span<const int32_t> shared, ffi::Span<const int32_t> hidden,                        \
+      ffi::Span<const int32_t> pdl, ffi::Span<const int32_t> params,                           \
+      ffi::Span<const int32_t> param_offsets, std::string_view target
+#define JAX_MLA_SEQUENCE_ATTR_ARGS                                                           \
+  Sequence {                                                                                 \
+    names, binaries, binary_offsets, binary_hashes, grids, threads, shared, hidden, pdl,     \
+        params, param_offsets, target                                                        \
+  }
+
+template <typename Binding>
+auto BindSequenceAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<std::string_view>("kernel_names")
+      .template Attr<ffi::Span<const uint8_t>>("binaries")
+      .template Attr<ffi::Span<const int64_t>>("binary_offsets")
+      .template Attr<ffi::Span<const int64_t>>("binary_hashes")
+      .template Attr<ffi::Span<const int32_t>>("grids")
+      .template Attr<ffi::Span<const int32_t>>("block_threads")
+      .template Attr<ffi::Span<const int32_t>>("shared_bytes")
+      .template Attr<ffi::Span<const int32_t>>("hidden_params")
+      .template Attr<ffi::Span<const int32_t>>("pdl")
+      .template Attr<ffi::Span<const int32_t>>("params")
+      .template Attr<ffi::Span<const int32_t>>("param_offsets")
+      .template Attr<std::string_view>("target");
+}
+
+template <typename Binding>
+auto BindSequence(Binding binding) {
+  return BindSequenceAttrs(std::move(binding)
+                               .template Ctx<ffi::PlatformStream<void*>>()
+                               .template Ctx<ffi::DeviceOrdinal>()
+                               .RemainingArgs()
+                               .RemainingRets());
+}
+
+template <bool kHip>
+ffi::Error ExecuteSequenceStage(void* stream, int32_t device, ffi::RemainingArgs args,
+                                ffi::RemainingRets rets, JAX_MLA_SEQUENCE_ATTR_PARAMS) {
+  return ExecuteSequence(kHip, stream, device, args, rets, JAX_MLA_SEQUENCE_ATTR_ARGS);
+}
+
 Launch MakeLaunch(JAX_MLA_LAUNCH_ATTR_PARAMS) {
   return Launch{name, binary, hash, {gx, gy, gz}, threads, shared, hidden, target, pdl};
 }
@@ -558,6 +719,9 @@ JAX_MLA_EXPORT_HANDLER(JaxMlaTritonExecuteCuda)
 JAX_MLA_EXPORT_HANDLER(JaxMlaTritonInitializeRocm)
 JAX_MLA_EXPORT_HANDLER(JaxMlaTritonExecuteRocm)
 JAX_MLA_EXPORT_HANDLER(JaxMlaTritonPackCpu)
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonSequenceCuda)
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonSequenceRocm)
+JAX_MLA_EXPORT_HANDLER(JaxMlaTritonPackSequenceCpu)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonInitializeCuda, jax_mla::InitializeStage<false>,
                               jax_mla::BindLaunch(ffi::Ffi::BindInitialize()));
@@ -568,6 +732,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonInitializeRocm, jax_mla::InitializeSta
                               jax_mla::BindLaunch(ffi::Ffi::BindInitialize()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonExecuteRocm, jax_mla::ExecuteStage<true>,
                               jax_mla::BindLaunch(ffi::Ffi::Bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Launch sequences: execute stage only, command-buffer compatible like the single launch.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonSequenceCuda, jax_mla::ExecuteSequenceStage<false>,
+                              jax_mla::BindSequence(ffi::Ffi::Bind()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTritonSequenceRocm, jax_mla::ExecuteSequenceStage<true>,
+                              jax_mla::BindSequence(ffi::Ffi::Bind()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 #if JAX_MLA_HAS_RECORD
@@ -715,3 +887,44 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
       return ffi::Error::Success();
     },
     jax_mla::BindLaunchAttrs(ffi::Ffi::Bind().RemainingArgs().RemainingRets()));
+
+// CPU twin of a launch sequence: checks and decodes the same attributes, then writes, into its
+// last result (int32, one entry per parameter of every kernel in order, hidden ones included),
+// which operand (0..) or result (n_args..) each parameter points at, -1 for a null one. The
+// other results are left as they are; nothing is launched.
+namespace jax_mla {
+namespace {
+ffi::Error PackSequence(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        JAX_MLA_SEQUENCE_ATTR_PARAMS) {
+  Sequence seq = JAX_MLA_SEQUENCE_ATTR_ARGS;
+  if (rets.size() == 0) return ffi::Error::InvalidArgument("no result to write into");
+  if (ffi::Error e = seq.Check(args.size() + rets.size() - 1); e.failure()) return e;
+  auto buffers = Buffers(args, rets, rets.size() - 1);
+  if (buffers.has_error()) return buffers.error();
+  auto out = rets.get<ffi::AnyBuffer>(rets.size() - 1);
+  if (out.has_error()) return out.error();
+  std::vector<int32_t> report;
+  for (size_t k = 0; k < seq.size(); ++k) {
+    Launch l = seq.At(k);
+    if (l.name.empty()) return ffi::Error::InvalidArgument("an empty kernel name");
+    for (void* p : seq.Pointers(k, *buffers)) {
+      int32_t at = -1;
+      for (size_t i = 0; i < buffers->size() && at < 0 && p != nullptr; ++i) {
+        if ((*buffers)[i] == p) at = static_cast<int32_t>(i);
+      }
+      report.push_back(at);
+    }
+  }
+  if ((*out)->element_count() != report.size() ||
+      (*out)->element_type() != ffi::DataType::S32) {
+    return ffi::Error::InvalidArgument("the last result must be int32[number of params]");
+  }
+  std::memcpy((*out)->untyped_data(), report.data(), report.size() * sizeof(int32_t));
+  return ffi::Error::Success();
+}
+}  // namespace
+}  // namespace jax_mla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMlaTritonPackSequenceCpu, jax_mla::PackSequence,
+    jax_mla::BindSequenceAttrs(ffi::Ffi::Bind().RemainingArgs().RemainingRets()));

@@ -132,7 +132,13 @@ def test_gpu_targets_register_the_execute_stage_only_unless_asked(monkeypatch, i
     gpu = [(name, platform, fn) for name, platform, fn in seen if platform != "cpu"]
     assert {(name, platform) for name, platform, _ in gpu} == {
         (ffi_launch.TARGET_NAME, "CUDA"), (ffi_launch.TARGET_NAME, "ROCM"),
+        (ffi_launch.SEQUENCE_TARGET_NAME, "CUDA"), (ffi_launch.SEQUENCE_TARGET_NAME, "ROCM"),
         (native.TARGET_NAME, "ROCM")}
+    # The launch sequence registers its execute stage alone, whatever the knob.
+    sequences = [(p, fn) for name, p, fn in gpu if name == ffi_launch.SEQUENCE_TARGET_NAME]
+    assert all(fn == {"execute": "JaxMlaTritonSequence" + {"CUDA": "Cuda", "ROCM": "Rocm"}[p]}
+               for p, fn in sequences), sequences
+    gpu = [g for g in gpu if g[0] != ffi_launch.SEQUENCE_TARGET_NAME]
     want = {"execute", "initialize"} if initialize else {"execute"}
     assert all(isinstance(fn, dict) and set(fn) == want for _, _, fn in gpu), gpu
     # Each stage is that platform's exported handler of that stage.
@@ -430,6 +436,109 @@ def test_the_twin_rejects_a_wrong_report_buffer():
         jax.block_until_ready(call(jnp.ones(2), **attrs))
 
 
+@needs_library
+@pytest.mark.parametrize("same", [False, True], ids=["distinct", "splat"])
+def test_a_sequence_packs_each_kernels_buffers_by_index(rng, same):
+    """The sequence's CPU twin decodes the same attributes as the GPU handler (per-kernel arrays,
+    names joined by ',', binaries concatenated) and reports, kernel after kernel, the buffer
+    (operands 0.., results 3..) each parameter points at, its hidden nulls after it. With
+    ``same``, the per-kernel arrays are equal across kernels, which XLA's attributes hold as
+    splats: they must still decode to one entry a kernel."""
+    ffi_launch.register(("cpu",))
+    first = _binary(2, "first")
+    second = _binary(2 if same else 1, "second")
+    if same:
+        second = dataclasses.replace(second, threads=first.threads, shared=first.shared)
+    n = 3
+    steps = [((4, 1, 1) if same else (7, 3), (0, 1, n + 0, n + 1)),
+             ((4, 1, 1), (n + 1, 2, n + 0, n + 0))]  # reads result 1, rewrites result 0
+    attrs = ffi_launch.sequence_attributes(
+        [(kb, grid, False, params) for kb, (grid, params) in zip((first, second), steps)])
+    if same:
+        assert len(set(attrs["hidden_params"].tolist())) == 1
+    total = 4 + 4 + first.hidden_params + second.hidden_params
+    a = jnp.asarray(rng.standard_normal(5), jnp.float32)
+    b = jnp.asarray(rng.integers(0, 9, 4), jnp.int32)
+    c = jnp.asarray(rng.standard_normal(6), jnp.float32)
+    out_shapes = [jax.ShapeDtypeStruct((2, 2), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((3,), jnp.float32),
+                  jax.ShapeDtypeStruct((total,), jnp.int32)]
+    call = jax.ffi.ffi_call(ffi_launch.PACK_SEQUENCE_TARGET_NAME, out_shapes)
+    with jax.default_device(jax.devices("cpu")[0]):
+        *_, where = jax.jit(lambda a, b, c: call(a, b, c, **attrs))(a, b, c)
+    assert where.tolist() == ([0, 1, 3, 4] + [-1] * first.hidden_params
+                              + [4, 2, 3, 3] + [-1] * second.hidden_params)
+
+
+@needs_library
+@pytest.mark.parametrize("field, value, words", [
+    ("params", np.array([0, 1, 9, 0], np.int32), "parameter index 9 is not one of the call's 4"),
+    ("kernel_names", "one", "does not hold 2 names"),
+    ("hidden_params", np.array([2], np.int32), "disagree in length"),
+    ("binary_offsets", np.array([0, 3, 7], np.int64), "do not end the binaries"),
+])
+def test_the_sequence_handler_refuses_inconsistent_attributes(field, value, words):
+    """Attributes that disagree (a parameter index past the call's buffers, a name missing, an
+    array of the wrong length, offsets that do not end the data) are the handler's clear error,
+    before any pointer is read."""
+    ffi_launch.register(("cpu",))
+    attrs = ffi_launch.sequence_attributes(
+        [(_binary(0, "x"), (1,), False, (0, 2)), (_binary(0, "y"), (1,), False, (2, 3))])
+    attrs[field] = value
+    call = jax.ffi.ffi_call(ffi_launch.PACK_SEQUENCE_TARGET_NAME,
+                            [jax.ShapeDtypeStruct((2,), jnp.float32),
+                             jax.ShapeDtypeStruct((2,), jnp.float32),
+                             jax.ShapeDtypeStruct((4,), jnp.int32)])
+    with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=words):
+        jax.block_until_ready(call(jnp.ones(2), jnp.ones(2), **attrs))
+
+
+def _step(inputs, outputs):
+    return ffi_launch.SequenceStep(types.SimpleNamespace(__name__="k"), inputs, outputs, (1,))
+
+
+@pytest.mark.parametrize("steps, words", [
+    ([], "at least one kernel"),
+    ([_step((0, 3), (0,))], "results \\[1\\] are read before a step writes them"),
+    ([_step((0,), (0, 2))], "outputs \\[2\\] are no result"),
+    ([_step((0, 5), (0,))], "inputs \\[5\\] are no buffer"),
+    ([_step((0,), (0,))], "results \\[1\\] are written by no step"),
+])
+def test_a_sequence_that_reads_before_writing_is_refused(steps, words):
+    # Two operands, two results: buffer 2 is result 0, buffer 3 result 1.
+    with pytest.raises(ValueError, match=words):
+        ffi_launch.check_sequence(steps, 2, 2)
+
+
+def test_a_sequence_outside_the_ffi_launcher_is_its_launches_in_turn(monkeypatch):
+    """Where the steps cannot be one custom call (the interpreter, jax-triton, the record
+    target), each is a ``triton_call`` with the same parameters: inputs from the operands or
+    the results so far, its outputs new, and a result it both reads and writes aliased."""
+    calls = []
+
+    def fake_call(kernel, *args, grid, out_shapes, input_output_aliases, **kw):
+        calls.append((kernel.__name__, [a.tolist() for a in args], dict(input_output_aliases)))
+        outs = []
+        for j, s in enumerate(out_shapes):
+            src = [k for k, o in input_output_aliases.items() if o == j]
+            base = args[src[0]] if src else jnp.zeros(s.shape, s.dtype)
+            outs.append(base + len(calls))
+        return tuple(outs)
+
+    monkeypatch.setattr(launch, "triton_call", fake_call)
+    monkeypatch.setattr(launch, "resolve_launcher", lambda target, choice=None: "interpret")
+    a, b = jnp.arange(3.0), jnp.arange(3.0) * 10
+    first = ffi_launch.SequenceStep(types.SimpleNamespace(__name__="first"), (0, 1), (0, 1), (1,))
+    second = ffi_launch.SequenceStep(types.SimpleNamespace(__name__="second"), (3, 2), (0,), (1,))
+    shape = jax.ShapeDtypeStruct((3,), jnp.float32)
+    out0, out1 = launch.triton_sequence([first, second], (a, b), out_shapes=[shape, shape],
+                                        target="cpu")
+    assert [c[0] for c in calls] == ["first", "second"]
+    assert calls[0][2] == {} and calls[1][2] == {1: 0}  # result 0 read and rewritten in place
+    assert calls[1][1] == [[1.0] * 3, [1.0] * 3]  # results 1 and 0 as the first step left them
+    assert out0.tolist() == [3.0] * 3 and out1.tolist() == [1.0] * 3
+
+
 def test_launch_attributes_are_static_and_typed():
     kb = _binary(2)
     attrs = ffi_launch.launch_attributes(kb, [5])
@@ -654,6 +763,19 @@ from jax_mla.problem import Target
 rng = np.random.default_rng()
 B, PS, MP = 3, 64, 4
 res = {}
+
+
+# An attribute of a custom call's line, as a list with one entry a kernel (a launch has one
+# kernel, a launch sequence several; a splat array stands for one entry a kernel).
+def attr(line, *names):
+    kernels = len(re.search(r'kernel_names? = "([\w,]+)"', line).group(1).split(","))
+    for name in names:
+        m = re.search(name + r' = (dense<\[?([^>\]]*)\]?>|"?([\w-]+)"?)', line)
+        if m:
+            text = m.group(2) if m.group(2) is not None else m.group(3)
+            items = [x.strip() for x in text.split(",")]
+            return items * kernels if len(items) == 1 else items
+    raise KeyError(names)
 for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
                          ("rocm", Target("rocm", "gfx942", 304))):
     for heads in (16, 128):
@@ -674,12 +796,17 @@ for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
         calls = [l for l in text.splitlines() if "custom_call" in l]
         res[f"{platform}/{heads}"] = dict(
             targets=[l.split("@")[1].split("(")[0] for l in calls],
-            kernels=[re.search(r'kernel_name = "(\w+)"', l).group(1) for l in calls],
-            elf=[bool(re.search(r'binary = dense<"0x7F454C46', l)) for l in calls],
+            kernels=[k for l in calls
+                     for k in re.search(r'kernel_names? = "([\w,]+)"', l).group(1).split(",")],
+            # Every binary is an ELF image (a sequence's are concatenated at its offsets).
+            elf=[bytes.fromhex(re.search(r'binar(?:y|ies) = dense<"0x(\w+)"', l).group(1))[
+                     int(o):int(o) + 4] == b"\x7fELF"
+                 for l in calls
+                 for o in (attr(l, "binary_offsets")[:-1] if "binaries" in l else [0])],
             typed=[l.split("custom_call_target=")[1].split(",")[0] + " " + (
                 "typed" if "api_version=API_VERSION_TYPED_FFI" in l else "legacy")
                 for l in hlo.splitlines() if "custom-call(" in l],
-            hidden=[int(re.search(r"hidden_params = (\d+)", l).group(1)) for l in calls],
+            hidden=[int(h) for l in calls for h in attr(l, "hidden_params")],
             lowered_target=[re.search(r'target = "(\w+)"', l).group(1) for l in calls])
 
 # The 64-row Triton tile on Hopper with and without the warpgroup split (compiler.py): the
@@ -694,7 +821,10 @@ for split in (True, False):
     assert md.plan.kernel.wg_split == split
     text = jax.jit(lambda q, c: jax_mla.mla_attention(q, c, md, scale=0.1)).trace(
         q128, cache).lower(lowering_platforms=("cuda",)).as_text()
-    hashes.append(re.findall(r'binary_hash = (-?\d+).*kernel_name = "mla_decode_kernel"', text))
+    hashes.append([h for l in text.splitlines() if "custom_call" in l
+                   for k, h in zip(re.search(r'kernel_names? = "([\w,]+)"', l).group(1).split(","),
+                                   attr(l, "binary_hash", "binary_hashes"))
+                   if k == "mla_decode_kernel"])
 res["wg_split_hashes"] = hashes
 
 # PTX's own parameter count agrees with the one read from the LLVM IR (CUDA).
@@ -737,9 +867,18 @@ for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
             lowering_platforms=(platform,)).as_text()
         calls = [l for l in text.splitlines() if "custom_call" in l]
         pdl[f"{platform}/{on}"] = dict(
-            flags=[int(re.search(r"pdl = (\d+)", l).group(1)) for l in calls],
-            hashes=[re.search(r"binary_hash = (-?\d+)", l).group(1) for l in calls])
+            flags=[int(f) for l in calls for f in attr(l, "pdl")],
+            hashes=[h for l in calls for h in attr(l, "binary_hash", "binary_hashes")])
 res["pdl"] = pdl
+
+# one_call=False: the decode kernel and its reduce as two custom calls again.
+tun = TritonTuning(launcher="ffi", planner="jnp", one_call=False)
+md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=16, q=q[:, :16],
+                                   kv_cache=cache, backend="triton",
+                                   target=Target("cuda", "sm_90", 132), tuning=tun)
+text = jax.jit(lambda q, c: jax_mla.mla_attention(q, c, md, scale=0.1, backend="triton")).trace(
+    q[:, :16], cache).lower(lowering_platforms=("cuda",)).as_text()
+res["two_calls"] = [l.split("@")[1].split("(")[0] for l in text.splitlines() if "custom_call" in l]
 
 # Too much shared memory for the target: a clear error at trace time.
 try:
@@ -761,22 +900,25 @@ print(json.dumps(res))
 @pytest.mark.skipif(importlib.util.find_spec("triton.backends.amd") is None,
                     reason="triton without its AMD backend")
 def test_a_decode_step_lowers_to_our_ffi_calls_only_for_cuda_and_rocm(tmp_path):
-    """Planning kernel, decode kernel (Triton or the Gluon sm_90 one) and reduce: three typed FFI
-    custom calls (api_version 4) carrying ELF binaries, for both GPU platforms, compiled on a
-    host with no GPU; no jax-triton call and no Python callback."""
+    """Planning kernel, then decode kernel (Triton or the Gluon sm_90 one) and reduce as one
+    launch sequence: two typed FFI custom calls (api_version 4) carrying three ELF binaries, for
+    both GPU platforms, compiled on a host with no GPU; no jax-triton call and no Python
+    callback."""
     # On a CPU jax, as in CI, also on a GPU host: a call's own target is then no device's.
     script = (f"import os; os.environ['JAX_MLA_CACHE_DIR'] = {str(tmp_path)!r}; "
               "os.environ['JAX_PLATFORMS'] = 'cpu'\n" + LOWER)
     r = run_compiler_script(script, timeout=900)
     for key in ("cuda/16", "cuda/128", "rocm/16", "rocm/128"):
         got = r[key]
-        assert got["targets"] == ["jax_mla_triton"] * 3, (key, got)
+        assert got["targets"] == ["jax_mla_triton", "jax_mla_triton_sequence"], (key, got)
         assert got["kernels"][0] == "mla_plan_kernel" and got["kernels"][2].startswith(
             "mla_reduce"), (key, got)
         assert got["kernels"][1] == ("mla_decode_sm90_kernel" if key == "cuda/128"
                                      else "mla_decode_kernel"), (key, got)
-        assert all(got["elf"]), (key, got)
-        assert got["typed"] == ['"jax_mla_triton" typed'] * 3, (key, got)
+        assert got["elf"] == [True] * 3, (key, got)
+        # (HLO text lists the calls in its own order.)
+        assert sorted(got["typed"]) == ['"jax_mla_triton" typed',
+                                        '"jax_mla_triton_sequence" typed'], (key, got)
         assert got["hidden"] == [2, 2, 2], (key, got)  # Triton's two scratch pointers
         assert set(got["lowered_target"]) == {"sm_90" if key[0] == "c" else "gfx942"}
     split, plain = r["wg_split_hashes"]
@@ -787,6 +929,7 @@ def test_a_decode_step_lowers_to_our_ffi_calls_only_for_cuda_and_rocm(tmp_path):
     assert r["shared_error"] and "gfx942" in r["shared_error"] and "65536" in r[
         "shared_error"], r["shared_error"]
     assert any(p.suffix == ".bin" for p in tmp_path.rglob("*")), "nothing cached on disk"
+    assert r["two_calls"] == ["jax_mla_triton"] * 2, r["two_calls"]  # decode, reduce
     pdl = r["pdl"]
     assert pdl["cuda/False"]["flags"] == [0, 0, 0] and pdl["rocm/False"]["flags"] == [0, 0, 0]
     assert pdl["rocm/True"] == pdl["rocm/False"], pdl  # no PDL on ROCm: the same binaries
@@ -825,6 +968,40 @@ def test_ffi_and_jax_triton_launchers_agree_on_the_gpu(rng):
         assert rel_err(outs[launcher], ref) < 1e-2, launcher
     if len(outs) == 2:
         np.testing.assert_array_equal(outs["ffi"], outs["jax_triton"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_one_launch_sequence_and_two_calls_agree_on_the_gpu(rng, heads):
+    """On a GPU: the decode kernel and its reduce as one launch sequence (the default) and as
+    two custom calls give the same outputs and LSE bit for bit, close to the oracle, at lengths
+    that split (the reduce rewrites out / lse in place) and one that is empty."""
+    import jax_mla
+    from jax_mla.problem import current_platform
+
+    from conftest import make_case
+    from oracle import mla_decode, rel_err
+
+    if current_platform() not in ("cuda", "rocm") or not HAS_LIBRARY:
+        pytest.skip("needs a GPU and the launcher library")
+    c = make_case(rng, seq_lens=[5000, 0, 1, 777, 64], qlen=1, num_heads=heads, page_size=64)
+    q, cache = jnp.asarray(c.q, jnp.bfloat16), jnp.asarray(c.cache, jnp.bfloat16)
+    ref, ref_lse = mla_decode(np.asarray(q, np.float32), np.asarray(cache, np.float32),
+                              c.block_table, c.seq_lens, qlen=1, page_size=64, scale=c.scale,
+                              kv_lora_rank=c.kv_lora_rank)
+    got = {}
+    for one in (True, False):
+        md = jax_mla.build_decode_metadata(
+            c.block_table, c.seq_lens, page_size=64, q=q, kv_cache=cache, backend="triton",
+            tuning=TritonTuning(launcher="ffi", one_call=one))
+        out, lse = jax.jit(lambda q, k, md: jax_mla.mla_attention(
+            q, k, md, scale=c.scale, return_lse=True))(q, cache, md)
+        got[one] = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+        assert rel_err(got[one][0], ref) < 1e-2, one
+        assert np.all(got[one][0][1] == 0) and np.all(np.isneginf(got[one][1][1])), one
+    assert np.asarray(md.schedule.reduce_tiles)[0] >= 0  # a request was split
+    np.testing.assert_array_equal(got[True][0], got[False][0])
+    np.testing.assert_array_equal(got[True][1], got[False][1])
 
 
 _LAZY_SCRIPT = """

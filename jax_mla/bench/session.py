@@ -235,18 +235,25 @@ def stage_kernels(_):
 def stage_gaps(shapes):
     """The timing chain on the GPU's timeline (``profile.chain_gaps``), per shape (those given
     after ``--``, else :data:`GAP_SHAPES`) twice: the stream timer's fed chain (``chain: fed``)
-    and the calls back to back with no feeding kernel (``chain: serial``)."""
+    and the calls back to back with no feeding kernel (``chain: serial``). The launches go
+    through the FFI launcher (built here if need be), and each row names the launcher that ran:
+    without the library, ``auto`` would fall back to jax-triton, whose calls XLA cannot capture
+    in command buffers, and the timeline would be that path's."""
     import numpy as np
 
+    from jax_mla.backends.triton.launch import resolve_launcher
     from jax_mla.bench import profile
     from jax_mla.bench.decode import Shape, attention_call
+    from jax_mla.problem import detect_target
 
+    _ffi_library()
+    launcher = resolve_launcher(detect_target())
     rows = []
     for spec in shapes or GAP_SHAPES:
         shape = Shape.parse(spec)
         fn, args = attention_call(shape, np.random.default_rng(0))
         for chain in ("fed", "serial"):
-            row = {"shape": shape.name, "chain": chain,
+            row = {"shape": shape.name, "chain": chain, "launcher": launcher,
                    **profile.chain_gaps(fn, *args, serial=chain == "serial")}
             rows.append(row)
             between = row.get("between_runs_us")

@@ -12,7 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_mla.backends.triton.launch import triton_call
+from jax_mla.backends.triton.ffi_launch import SequenceStep
+from jax_mla.backends.triton.launch import triton_call, triton_sequence
 from jax_mla.backends.triton.plan import (
     LOG2E,
     KernelConfig,
@@ -176,18 +177,30 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
                                    has_q_scale=fp8_qk and q_scale is not None,
                                    cvt_once=fp8_convert_once(plan, kv_cache.dtype))
     f32 = jnp.float32
+    arrays = (q, kv, md.block_table, md.paged_kv_indptr, sched.work_indptr, sched.work_info_set,
+              scales)
+    out_shapes = [jax.ShapeDtypeStruct((t_rows, h, lr), out_dt),
+                  jax.ShapeDtypeStruct((t_rows, h), f32),
+                  jax.ShapeDtypeStruct((prow, h, lr), f32),
+                  jax.ShapeDtypeStruct((prow, h), f32)]
+    grid = (sched.num_programs * cfg.num_head_blocks,)
+    if plan.tuning is None or plan.tuning.one_call:
+        # The decode kernel and its reduce, one custom call: the reduce reads the partials
+        # (results 2, 3) and rewrites out / lse (results 0, 1) in place.
+        r_kernel, r_arrays, r_grid, r_consts = reduce_launch(sched, out_shapes[0],
+                                                             out_shapes[2], config=plan.reduce)
+        n = len(arrays) + len(r_arrays)
+        steps = [SequenceStep(kernel, tuple(range(len(arrays))), (0, 1, 2, 3), grid,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              constexprs=consts),
+                 SequenceStep(r_kernel, (n + 2, n + 3, *range(len(arrays), n), n, n + 1),
+                              (0, 1), r_grid, num_warps=4, num_stages=1, constexprs=r_consts)]
+        out, lse, _, _ = triton_sequence(steps, arrays + r_arrays, out_shapes=out_shapes,
+                                         target=target, launcher=launcher)
+        return out, lse
     out, lse, part_out, part_lse = triton_call(
-        kernel,
-        q, kv, md.block_table, md.paged_kv_indptr, sched.work_indptr, sched.work_info_set,
-        scales,
-        grid=(sched.num_programs * cfg.num_head_blocks,),
-        out_shapes=[jax.ShapeDtypeStruct((t_rows, h, lr), out_dt),
-                    jax.ShapeDtypeStruct((t_rows, h), f32),
-                    jax.ShapeDtypeStruct((prow, h, lr), f32),
-                    jax.ShapeDtypeStruct((prow, h), f32)],
-        target=target, launcher=launcher, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **consts,
-    )
+        kernel, *arrays, grid=grid, out_shapes=out_shapes, target=target, launcher=launcher,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
     return reduce_partials(part_out, part_lse, sched, out, lse, config=plan.reduce,
                            target=target, launcher=launcher)
 
@@ -231,6 +244,33 @@ def sm90_constexprs(cfg: KernelConfig, *, num_heads, qlen, page_size, max_pages,
         TILE_IN_PAGE=page_size % 64 == 0)
 
 
+def reduce_launch(sched, out, part_out, *, config: ReduceConfig):
+    """``(kernel, arrays, grid, constexprs)`` of the reduce that merges split partials (shaped
+    like ``part_out``) into ``out`` (a shape or an array): its parameters are ``part_out,
+    part_lse, *arrays, out, lse`` and then ``out, lse`` again as its outputs (rewritten in
+    place). ``sched`` as in :func:`reduce_partials`."""
+    t_rows, h, lr = out.shape
+    block_h = min(16, next_pow2(h))
+    h_blocks = math.ceil(h / block_h)
+    consts = dict(H=h, L=lr, BLOCK_H=block_h, OFF64=math.prod(part_out.shape) >= 2**31,
+                  L2_HINTS=config.l2_hints, BLOCK_S=config.block_s, BLOCK_L=config.block_l,
+                  PDL=config.pdl)
+    grid_l = math.ceil(lr / config.block_l)
+    if isinstance(sched, SplitSchedule) and config.affine:
+        # One program per split request (a program with nothing to merge still costs a launch),
+        # each finding its consecutive partials with one load.
+        tiles = sched.reduce_tiles
+        return (_kernels().mla_reduce_affine_kernel, (tiles, sched.reduce_tile_ptr),
+                (tiles.shape[0], h_blocks, grid_l), dict(Q=sched.qlen, **consts))
+    # Any partial map: a program for every listed tile (every request when none are listed).
+    tiles = getattr(sched, "reduce_tiles", None)
+    if tiles is None:
+        tiles = jnp.arange(sched.reduce_final_map.shape[0], dtype=jnp.int32)
+    return (_kernels().mla_reduce_kernel,
+            (sched.reduce_indptr, sched.reduce_final_map, sched.reduce_partial_map, tiles),
+            (tiles.shape[0], h_blocks, grid_l), dict(MAX_ROWS=sched.qlen, **consts))
+
+
 def reduce_partials(part_out, part_lse, sched, out, lse, *, config: ReduceConfig, target,
                     launcher=None):
     """Merge split partials into ``out``/``lse`` in place (requests with < 2 partials untouched).
@@ -239,35 +279,11 @@ def reduce_partials(part_out, part_lse, sched, out, lse, *, config: ReduceConfig
     kernel over each split request's consecutive partials), or any plan in AITER's layout
     (``reduce_indptr``, ``reduce_final_map``, ``reduce_partial_map``; the general kernel).
     """
-    t_rows, h, lr = out.shape
-    block_h = min(16, next_pow2(h))
-    h_blocks = math.ceil(h / block_h)
-    out_shapes = [jax.ShapeDtypeStruct(out.shape, out.dtype),
-                  jax.ShapeDtypeStruct(lse.shape, lse.dtype)]
-    consts = dict(H=h, L=lr, BLOCK_H=block_h, OFF64=part_out.size >= 2**31,
-                  L2_HINTS=config.l2_hints, BLOCK_S=config.block_s, BLOCK_L=config.block_l,
-                  PDL=config.pdl)
-    grid_l = math.ceil(lr / config.block_l)
-    if isinstance(sched, SplitSchedule) and config.affine:
-        # One program per split request (a program with nothing to merge still costs a launch),
-        # each finding its consecutive partials with one load.
-        tiles = sched.reduce_tiles
-        return triton_call(
-            _kernels().mla_reduce_affine_kernel,
-            part_out, part_lse, tiles, sched.reduce_tile_ptr, out, lse,
-            grid=(tiles.shape[0], h_blocks, grid_l), out_shapes=out_shapes,
-            input_output_aliases={4: 0, 5: 1}, target=target, launcher=launcher, num_warps=4,
-            num_stages=1,
-            Q=sched.qlen, **consts)
-    # Any partial map: a program for every listed tile (every request when none are listed).
-    tiles = getattr(sched, "reduce_tiles", None)
-    if tiles is None:
-        tiles = jnp.arange(sched.reduce_final_map.shape[0], dtype=jnp.int32)
+    kernel, arrays, grid, consts = reduce_launch(sched, out, part_out, config=config)
+    k = 2 + len(arrays)
     return triton_call(
-        _kernels().mla_reduce_kernel,
-        part_out, part_lse, sched.reduce_indptr, sched.reduce_final_map,
-        sched.reduce_partial_map, tiles, out, lse,
-        grid=(tiles.shape[0], h_blocks, grid_l), out_shapes=out_shapes,
-        input_output_aliases={6: 0, 7: 1}, target=target, launcher=launcher, num_warps=4,
-        num_stages=1,
-        MAX_ROWS=sched.qlen, **consts)
+        kernel, part_out, part_lse, *arrays, out, lse, grid=grid,
+        out_shapes=[jax.ShapeDtypeStruct(out.shape, out.dtype),
+                    jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
+        input_output_aliases={k: 0, k + 1: 1}, target=target, launcher=launcher, num_warps=4,
+        num_stages=1, **consts)

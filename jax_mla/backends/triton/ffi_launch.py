@@ -55,6 +55,9 @@ TARGET_NAME = "jax_mla_triton"  # the custom call on CUDA and ROCm (registered t
 RECORD_TARGET_NAME = "jax_mla_triton_record"
 BOOTSTRAP_TARGET_NAME = "jax_mla_triton_bootstrap"
 PACK_TARGET_NAME = "jax_mla_triton_pack"  # the CPU twin that reports the argument packing
+# Several kernels launched in order by one custom call (:func:`launch_sequence`), and its CPU twin.
+SEQUENCE_TARGET_NAME = "jax_mla_triton_sequence"
+PACK_SEQUENCE_TARGET_NAME = "jax_mla_triton_pack_sequence"
 LIBRARY_MODULE = "jax_mla._triton_launch"  # the library setup.py builds from ffi/
 # Bumped when what is cached changes shape, or the TTGIR rewrite changes.
 CACHE_FORMAT = 1
@@ -250,9 +253,10 @@ def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
     """Register the handlers with XLA for ``platforms`` (idempotent; no GPU needed).
 
     ``CUDA`` and ``ROCM`` get the launcher (:func:`handler_stages`) as :data:`TARGET_NAME`
-    (CUDA's record target is registered apart: :func:`register_record_target`); ``cpu`` gets
-    the twin :data:`PACK_TARGET_NAME`, which decodes the same attributes and reports how the
-    parameters were packed, for tests.
+    and the sequence launcher (execute stage) as :data:`SEQUENCE_TARGET_NAME` (CUDA's record
+    target is registered apart: :func:`register_record_target`); ``cpu`` gets the twins
+    :data:`PACK_TARGET_NAME` and :data:`PACK_SEQUENCE_TARGET_NAME`, which decode the same
+    attributes and report how the parameters were packed, for tests.
     """
     with _REGISTER_LOCK:
         for platform in platforms:
@@ -261,12 +265,18 @@ def register(platforms=("CUDA", "ROCM", "cpu")) -> None:
             if platform == "cpu":
                 jax.ffi.register_ffi_target(PACK_TARGET_NAME, _capsule("JaxMlaTritonPackCpu"),
                                             platform="cpu")
+                jax.ffi.register_ffi_target(PACK_SEQUENCE_TARGET_NAME,
+                                            _capsule("JaxMlaTritonPackSequenceCpu"),
+                                            platform="cpu")
             else:
                 suffix = {"CUDA": "Cuda", "ROCM": "Rocm"}[platform]
                 jax.ffi.register_ffi_target(
                     TARGET_NAME,
                     handler_stages(
                         lambda stage, suffix=suffix: _capsule(f"JaxMlaTriton{stage}{suffix}")),
+                    platform=platform, traits=command_buffer_traits())
+                jax.ffi.register_ffi_target(
+                    SEQUENCE_TARGET_NAME, {"execute": _capsule(f"JaxMlaTritonSequence{suffix}")},
                     platform=platform, traits=command_buffer_traits())
             _registered.add(platform)
 
@@ -639,3 +649,109 @@ def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_ali
     # is the one that may be launched ahead of it.
     outs = call(*arrays, **launch_attributes(kb, grid, pdl=bool(constexprs.get("PDL", False))))
     return tuple(outs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceStep:
+    """One kernel of a launch sequence (:func:`launch_sequence`, ``launch.triton_sequence``):
+    ``kernel[grid](*inputs, *outputs, **constexprs)``. ``inputs`` index the sequence's buffers:
+    its operands, then its results (``len(arrays) + j`` is result ``j``, written by an earlier
+    step); ``outputs`` are the results this step writes (one it also takes as an input is
+    rewritten in place)."""
+
+    kernel: object
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    grid: tuple[int, ...]
+    num_warps: int = 4
+    num_stages: int = 2
+    compile_options: dict | None = None
+    constexprs: dict = dataclasses.field(default_factory=dict)
+
+    def params(self, n_arrays: int) -> tuple[int, ...]:
+        """The kernel's parameters as buffer indices: its inputs, then its outputs."""
+        return (*self.inputs, *(n_arrays + j for j in self.outputs))
+
+
+def check_sequence(steps, n_arrays: int, n_results: int) -> None:
+    """Raise ``ValueError`` unless every step reads only operands and results written before
+    it, writes only results that exist, and every result is written."""
+    written: set[int] = set()
+    if not steps:
+        raise ValueError("a launch sequence needs at least one kernel")
+    for step in steps:
+        name = getattr(step.kernel, "__name__", step.kernel)
+        bad = [i for i in step.inputs if not 0 <= i < n_arrays + n_results]
+        early = [i - n_arrays for i in step.inputs
+                 if n_arrays <= i < n_arrays + n_results and i - n_arrays not in written]
+        wrong = [j for j in step.outputs if not 0 <= j < n_results]
+        if bad or early or wrong or len(set(step.outputs)) != len(step.outputs):
+            raise ValueError(
+                f"launch sequence step {name}: inputs {list(step.inputs)}, outputs "
+                f"{list(step.outputs)} over {n_arrays} operands and {n_results} results"
+                + (f"; inputs {bad} are no buffer" if bad else "")
+                + (f"; results {early} are read before a step writes them" if early else "")
+                + (f"; outputs {wrong} are no result" if wrong else ""))
+        written.update(step.outputs)
+    if len(written) != n_results:
+        raise ValueError(f"launch sequence: results {sorted(set(range(n_results)) - written)} "
+                         "are written by no step")
+
+
+def sequence_attributes(launches) -> dict:
+    """The sequence call's static attributes for ``launches``, ``(KernelBinary, grid, pdl,
+    params)`` each, in order (``ffi/triton_launch.cc``, ``Sequence``): per-kernel arrays, the
+    names joined by ``,``, the binaries concatenated with their offsets, the parameters' buffer
+    indices concatenated with theirs."""
+    if not launches:
+        raise ValueError("a launch sequence needs at least one kernel")
+    singles = [launch_attributes(kb, grid, pdl) for kb, grid, pdl, _ in launches]
+    names = [kb.name for kb, *_ in launches]
+    if any("," in n or not n for n in names):
+        raise ValueError(f"kernel names {names} must be non-empty and free of ','")
+    sizes = [len(kb.binary) for kb, *_ in launches]
+    counts = [len(params) for *_, params in launches]
+    i32 = np.int32
+    return dict(
+        kernel_names=",".join(names),
+        binaries=np.frombuffer(b"".join(kb.binary for kb, *_ in launches), np.uint8),
+        binary_offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+        binary_hashes=np.array([kb.binary_hash for kb, *_ in launches], np.int64),
+        grids=np.array([[a["grid_x"], a["grid_y"], a["grid_z"]] for a in singles], i32).ravel(),
+        block_threads=np.array([a["block_threads"] for a in singles], i32),
+        shared_bytes=np.array([a["shared_bytes"] for a in singles], i32),
+        hidden_params=np.array([a["hidden_params"] for a in singles], i32),
+        pdl=np.array([a["pdl"] for a in singles], i32),
+        params=np.array([i for *_, params in launches for i in params], i32),
+        param_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(i32),
+        target=launches[0][0].target)
+
+
+def launch_sequence(steps, arrays, *, out_shapes, target: Target) -> tuple:
+    """Several kernels launched in order on XLA's stream by one FFI custom call
+    (:data:`SEQUENCE_TARGET_NAME`); its results (``out_shapes``). Each step is a
+    :class:`SequenceStep` whose inputs and outputs name the call's buffers by index, so a later
+    kernel may read or rewrite (in place) what an earlier one wrote. XLA then holds one command
+    for the steps, not one each: inside a command buffer it updates one when their buffers move,
+    and outside one it makes one call. Each kernel is compiled and preloaded as :func:`launch`
+    does (its pointer types from the buffers it is given)."""
+    arrays = tuple(arrays)
+    out_shapes = tuple(out_shapes)
+    for i, a in enumerate(arrays):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"launch_sequence: argument {i} is {type(a).__name__}; the native "
+                            "launcher takes arrays only (pass scalars as constexpr keywords)")
+    dtypes = [a.dtype for a in arrays] + [s.dtype for s in out_shapes]
+    check_device(target)
+    register((_XLA_PLATFORMS[target.platform],))
+    check_sequence(steps, len(arrays), len(out_shapes))
+    launches = []
+    for step in steps:
+        params = step.params(len(arrays))
+        kb = compile_kernel(step.kernel, [dtypes[i] for i in params], step.constexprs,
+                            target, num_warps=step.num_warps, num_stages=step.num_stages,
+                            options=step.compile_options)
+        preload(kb, target)
+        launches.append((kb, step.grid, bool(step.constexprs.get("PDL", False)), params))
+    call = jax.ffi.ffi_call(SEQUENCE_TARGET_NAME, out_shapes)
+    return tuple(call(*arrays, **sequence_attributes(launches)))

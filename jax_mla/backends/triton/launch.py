@@ -136,6 +136,39 @@ def triton_call(kernel, *args, grid, out_shapes, target, launcher=None,
     return _interpret_call(kernel, args, grid, out_shapes, aliases, constexprs)
 
 
+def triton_sequence(steps, arrays, *, out_shapes, target, launcher=None) -> tuple:
+    """Several kernels in order, as one custom call where the launcher can; the results
+    (``out_shapes``), a tuple.
+
+    ``steps``: :class:`~jax_mla.backends.triton.ffi_launch.SequenceStep` s. A step's
+    ``inputs`` index the buffers (``arrays``, then the results: ``len(arrays) + j`` is result
+    ``j``, which an earlier step must have written); its ``outputs`` are the results it writes.
+    The kernel's parameters are its inputs, then its outputs; a result among both is rewritten
+    in place (the kernels' convention for an aliased output: it appears twice). With the
+    ``ffi`` launcher on a GPU the steps are one custom call (``ffi_launch.launch_sequence``);
+    with the others (the interpreter, jax-triton, the record target) they are
+    :func:`triton_call` s in turn with the same parameters, so every launcher computes the same
+    thing."""
+    target = as_target(target)
+    launcher = resolve_launcher(target, launcher)
+    arrays, out_shapes = tuple(arrays), tuple(out_shapes)
+    n = len(arrays)
+    ffi_launch.check_sequence(steps, n, len(out_shapes))
+    if launcher == "ffi":
+        return ffi_launch.launch_sequence(steps, arrays, out_shapes=out_shapes, target=target)
+    results: dict[int, object] = {}
+    for step in steps:
+        aliases = {k: step.outputs.index(i - n) for k, i in enumerate(step.inputs)
+                   if i >= n and i - n in step.outputs}
+        got = triton_call(
+            step.kernel, *(arrays[i] if i < n else results[i - n] for i in step.inputs),
+            grid=step.grid, out_shapes=[out_shapes[j] for j in step.outputs], target=target,
+            launcher=launcher, input_output_aliases=aliases, num_warps=step.num_warps,
+            num_stages=step.num_stages, compile_options=step.compile_options, **step.constexprs)
+        results.update(zip(step.outputs, got))
+    return tuple(results[j] for j in range(len(out_shapes)))
+
+
 def _import_jax_triton():
     """``jax_triton``, imported without its side effect on the environment: its import sets
     ``TRITON_CACHE_DIR=""``, after which every Triton compile in the process (torch's, AITER's)

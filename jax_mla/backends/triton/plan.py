@@ -194,7 +194,9 @@ class TritonTuning:
     (which triton 3.9 spills inside its KV loop); True / False force it. ``split_q_kernel``: that
     split made by one Triton kernel (``kernels/triton/split_query.py``, the same values) instead
     of XLA ops, which took four kernels and 49.6 µs at B128 H128 on an H100; off by default until
-    it is timed on a GPU.
+    it is timed on a GPU. ``one_call``: the decode kernel and the reduce after it launched by one
+    custom call (``launch.triton_sequence``; with the ``ffi`` launcher, one command of XLA's
+    instead of two); off: two custom calls. Other launchers run the two in turn either way.
     """
 
     block_n: int | None = None
@@ -220,6 +222,7 @@ class TritonTuning:
     sm90_fp8: bool = True
     sm90_split_q: bool | None = None
     split_q_kernel: bool = False
+    one_call: bool = True
 
     def __post_init__(self):
         if self.split_plan not in PLAN_MODES:
@@ -256,6 +259,7 @@ class TritonTuning:
             sm90_fp8=env.read_flag("JAX_MLA_TRITON_SM90_FP8", True),
             sm90_split_q=env.read_flag("JAX_MLA_TRITON_SM90_SPLIT_Q", None),
             split_q_kernel=env.read_flag("JAX_MLA_TRITON_SPLIT_Q_KERNEL", False),
+            one_call=env.read_flag("JAX_MLA_TRITON_ONE_CALL", True),
         )
 
     @property
