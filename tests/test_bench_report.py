@@ -138,7 +138,8 @@ def test_gaps_section_splits_our_kernels_from_the_timers(tmp_path):
     row = {"shape": "B8 H16 S4096 Q1 p64", "span_us": sum(k.values()) + sum(gaps.values()),
            "kernels_us": k, "gap_before_us": gaps, "launches": 4.0}
     ours = k["mla_decode"] + k["mla_reduce_affine"]
-    back = {"shape": row["shape"], "chain": "serial", "span_us": ours, "launches": 2.0,
+    back = {"shape": row["shape"], "chain": "serial", "launcher": "ffi", "span_us": ours,
+            "launches": 2.0,
             "kernels_us": {n: k[n] for n in ("mla_decode", "mla_reduce_affine")},
             "gap_before_us": {}, "run_span_us": [float(x) for x in rng.uniform(10, 40, 3)],
             "between_runs_us": float(rng.uniform(1, 300))}
@@ -147,11 +148,30 @@ def test_gaps_section_splits_our_kernels_from_the_timers(tmp_path):
     timer = sum(k.values()) - ours
     assert "## The timing chain on the GPU's timeline" in text
     # A row from before the chain was named is the fed chain, with no per-run spans.
-    assert (f"| {row['shape']} | fed | {row['span_us']:.1f} | {ours:.1f} | {timer:.1f} | "
+    assert (f"| {row['shape']} | fed | - | {row['span_us']:.1f} | {ours:.1f} | {timer:.1f} | "
             f"{sum(gaps.values()):.1f} | {row['span_us'] - timer:.1f} | - | - |") in text
     spans = ", ".join(f"{x:.1f}" for x in back["run_span_us"])
-    assert (f"| {row['shape']} | serial | {ours:.1f} | {ours:.1f} | 0.0 | 0.0 | {ours:.1f} | "
+    assert (f"| {row['shape']} | serial | ffi | {ours:.1f} | {ours:.1f} | 0.0 | 0.0 | "
+            f"{ours:.1f} | "
             f"{spans} | {back['between_runs_us']:.1f} |") in text
+
+
+def test_one_call_section_is_a_launcher_table(tmp_path):
+    rng = np.random.default_rng()
+    rows = [_ab_row(rng, "B8 H16 S4096 Q1 p64", v) for v in ("two", "one", "one_pdl")]
+    for r in rows:
+        r["serial_best_us"] = float(rng.uniform(10, 900))
+        r["serial_in_flight_best_us"] = float(rng.uniform(10, 900))
+    (tmp_path / "one_call_ab.json").write_text(json.dumps(rows))
+    text = report.report(str(tmp_path))
+    assert text.count("## The decode kernel and its reduce as one custom call") == 1
+    assert "back to back in flight / GPU" in text
+    for r in rows:
+        g = r["gpu_us"]
+        assert (f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "
+                f"{r['serial_best_us']:.1f} | {r['serial_in_flight_best_us']:.1f} | {g:.1f} | "
+                f"{r['best_us'] / g:.3f} | {r['serial_best_us'] / g:.3f} | "
+                f"{r['serial_in_flight_best_us'] / g:.3f} |") in text, r
 
 
 def test_empty_folder_has_no_sections(tmp_path):

@@ -118,9 +118,30 @@ def test_serial_chain_keeps_every_call_with_no_feeding_kernel():
     with pytest.raises(ValueError, match="exclusive"):
         timing.chained(call, 2, fed=True, serial=True)
     with pytest.raises(ValueError, match="exclusive"):
-        timing.device_time(call, x, y, in_flight=True, serial=True)
+        timing.device_time(call, x, y, donated=True, serial=True)
     t = timing.device_time(call, x, y, min_ms=0.5, reps=2, serial=True)
     assert 0 < t < 1.0
+
+
+def test_serial_runs_in_flight_are_dispatched_back_to_back_with_one_wait(monkeypatch):
+    """``device_time(..., serial=True, in_flight=True)``: runs of the back-to-back program, each
+    on the same inputs, issued back to back with one wait at the end (``in_flight_wall``),
+    divided by the calls a run."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.uniform(1, 2, (8, 128)), jnp.float32)
+    seen = {}
+
+    def fake_wall(step, wait, reps):  # one step and its wait run: seconds a run, said
+        step()
+        wait()
+        seen["reps"] = reps
+        return 1.0
+
+    monkeypatch.setattr(timing, "in_flight_wall", fake_wall)
+    monkeypatch.setattr(timing, "_wall", lambda f, args: 1e-3)  # the one-call estimate: n = 4
+    t = timing.device_time(lambda a: jnp.sin(a), x, min_ms=4.0, reps=3, serial=True,
+                           in_flight=True)
+    assert seen["reps"] == 3 and t == pytest.approx(1.0 / 4)
 
 
 def test_in_flight_time_divides_by_every_run_it_waited_for(monkeypatch):
@@ -258,13 +279,13 @@ def test_ab_times_each_variant_under_its_own_plan(tmp_path, monkeypatch):
         ab.parse_variant("x:warps=4")
 
     seen = []
-    real = td.reduce_partials
+    real = td.reduce_launch
 
     def spy(*a, **k):
         seen.append(k["config"].affine)
         return real(*a, **k)
 
-    monkeypatch.setattr(td, "reduce_partials", spy)
+    monkeypatch.setattr(td, "reduce_launch", spy)
     monkeypatch.delenv("JAX_MLA_TRITON_AFFINE_REDUCE", raising=False)
     out = tmp_path / "ab.json"
     ab.main([str(out), "--rounds", "1", "affine", "general:affine_reduce=0", "--", "1,2,200"])
@@ -348,6 +369,9 @@ def test_ab_in_flight_times_every_row_and_flashmla_by_our_clock(tmp_path, monkey
     assert ours["in_flight_best_us"] > 0 and "wall_best_us" not in ours
     # ``--serial``: our calls back to back, no feeding kernel; FlashMLA's row has no such time.
     assert ours["serial_best_us"] == min(ours["serial_us"]) > 0 and "serial_us" not in peer
+    # Both flags: those runs in flight too.
+    assert (ours["serial_in_flight_best_us"] == min(ours["serial_in_flight_us"]) > 0
+            and "serial_in_flight_us" not in peer)
     assert peer["best_us"] == pytest.approx(said["stream"] * 1e6)
     assert peer["wall_best_us"] == pytest.approx(said["wall"] * 1e6)
     assert peer["in_flight_best_us"] == pytest.approx(said["in_flight"] * 1e6)

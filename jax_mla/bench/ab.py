@@ -10,7 +10,7 @@ variant's chain with its output buffers donated run to run (``timing.device_time
 in_flight=True)``; FlashMLA's graph replayed back to back) and FlashMLA's graph by our stream
 timer's wall clock (``peers.FlashMLA.wall_time``); ``--serial`` also times our rows' calls back
 to back with no dependency and no feeding kernel (``timing.device_time(..., serial=True)``),
-as FlashMLA's graph of calls is timed. Each
+as FlashMLA's graph of calls is timed, and with ``--in-flight`` too, those runs in flight. Each
 variant is its own plan (the tuning object is part of it, so of the jit cache key): no
 environment, no cleared caches.
 For every shape the variants are timed in turn, ``--rounds`` times over (interleaved, so drift
@@ -68,7 +68,8 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
     dispatched back to back), and FlashMLA's ``wall_us`` / ``wall_best_us`` (its graph timed by
     our stream timer's clock: wall around each replay and its wait). With ``serial``, our rows
     also carry ``serial_us`` / ``serial_best_us`` (the calls back to back, no feeding kernel
-    between them). Every
+    between them), and with ``in_flight`` too ``serial_in_flight_us`` /
+    ``serial_in_flight_best_us`` (those runs dispatched back to back). Every
     stream time is taken before any CUPTI trace: once CUPTI has traced a process, every launch
     in it costs more. ``on_rows(rows)`` is called with the rows so far after each shape and
     each shape's GPU times (``main`` writes them: a run cut short keeps what it measured)."""
@@ -84,6 +85,7 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
         times = {name: [] for name in names + (["flashmla"] if fm else [])}
         kept = {name: [] for name in names}
         back = {name: [] for name in names}
+        back_flight = {name: [] for name in names}
         flight = {name: [] for name in times}
         walls = []
         for _ in range(rounds):
@@ -97,6 +99,9 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
                                         * 1e6)
                 if serial:
                     back[name].append(device_time(fn, *args, min_ms=20, serial=True) * 1e6)
+                if serial and in_flight:
+                    back_flight[name].append(device_time(fn, *args, min_ms=20, serial=True,
+                                                         in_flight=True) * 1e6)
             if fm:
                 try:
                     times["flashmla"].append(fm.stream_time() * 1e6)
@@ -130,6 +135,9 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
                     row.update(donated_us=kept[name], donated_best_us=min(kept[name]))
                 if serial:
                     row.update(serial_us=back[name], serial_best_us=min(back[name]))
+                if serial and in_flight:
+                    row.update(serial_in_flight_us=back_flight[name],
+                               serial_in_flight_best_us=min(back_flight[name]))
             elif in_flight:
                 row.update(wall_us=walls, wall_best_us=min(walls))
             if in_flight:
@@ -137,7 +145,8 @@ def run(shapes, variants, rounds: int = 2, gpu_time: bool | None = None,
             rows.append(row)
             kept_text = "".join(f" ({label} {row[key]:8.1f} us)" for key, label in (
                 ("donated_best_us", "outputs donated"), ("wall_best_us", "wall"),
-                ("in_flight_best_us", "in flight"), ("serial_best_us", "serial"))
+                ("in_flight_best_us", "in flight"), ("serial_best_us", "serial"),
+                ("serial_in_flight_best_us", "serial in flight"))
                 if key in row)
             print(f"{shape.name:<28} {name:<12} best {row['best_us']:8.1f} us{kept_text} "
                   f"x{row['vs_first']:.3f} err {row['rel_err_vs_first']:.1e}", flush=True)

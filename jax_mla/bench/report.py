@@ -10,8 +10,8 @@ session on an earlier tree, for a before/after table), ``kernels.json`` and ``ke
 ``ab_pdl.json``, ``ab_split_q.json``, ``ab_split_q_more.json``, ``split_probe.json``,
 ``update_mode_*.json`` (the FFI path under each XLA command-buffer update mode, a process each),
 ``stream_execute.json``, ``stream_initialize.json``, ``record_ab.json``, ``cmdbuf.json``,
-``cmdbuf_chains*.json``,
-``launcher_ab.json``, ``graphs.json``, ``planner.json``, ``latency_ab.json``, ``conformance.json``
+``cmdbuf_chains*.json``, ``launcher_ab.json``, ``one_call_ab.json``, ``graphs.json``,
+``planner.json``, ``latency_ab.json``, ``conformance.json``
 (the GPU test summary), and ``tried.md`` (what was measured and kept or dropped, in words), and
 writes ``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
 (docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16 matmul); the bench's own
@@ -164,9 +164,11 @@ def update_modes_table(by_mode: dict) -> str:
 _AB_STREAMS = (("donated_best_us", "outputs donated µs"),
                ("wall_best_us", "FlashMLA's graph, our clock µs"),
                ("in_flight_best_us", "runs in flight µs"),
-               ("serial_best_us", "calls back to back, no feeding kernel µs"))
+               ("serial_best_us", "calls back to back, no feeding kernel µs"),
+               ("serial_in_flight_best_us", "calls back to back, runs in flight µs"))
 # Those of them a table also divides by the GPU time.
-_AB_RATIOS = (("in_flight_best_us", "in flight"), ("serial_best_us", "back to back"))
+_AB_RATIOS = (("in_flight_best_us", "in flight"), ("serial_best_us", "back to back"),
+              ("serial_in_flight_best_us", "back to back in flight"))
 
 
 def _stream_columns(rows) -> tuple[list, list]:
@@ -359,17 +361,19 @@ def gaps_table(rows) -> str:
     """``gaps.json`` (the session's ``gaps`` stage): the timing chain on the GPU's timeline
     (CUPTI), per call: its span, our kernels' time and the timer's own (the kernels that feed
     each call its dependency on the one before; none in the back-to-back chain), the idle gaps
-    between kernels, every run's span and the idle time between runs."""
-    out = ["| shape | chain | span µs a call | our kernels µs | the timer's kernels µs | gaps µs | "
-           "span less the timer's kernels µs | each run's span µs a call | "
+    between kernels, every run's span and the idle time between runs; the launcher that ran
+    (``-`` for rows from before it was recorded)."""
+    out = ["| shape | chain | launcher | span µs a call | our kernels µs | the timer's kernels µs "
+           "| gaps µs | span less the timer's kernels µs | each run's span µs a call | "
            "idle between runs µs |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = sum(v for k, v in r["kernels_us"].items() if k.startswith("mla_"))
         timer = sum(v for k, v in r["kernels_us"].items() if not k.startswith("mla_"))
         gaps = sum(r["gap_before_us"].values())
         spans = ", ".join(f"{x:.1f}" for x in r.get("run_span_us") or []) or "-"
-        out.append(f"| {r['shape']} | {r.get('chain', 'fed')} | {r['span_us']:.1f} | "
+        out.append(f"| {r['shape']} | {r.get('chain', 'fed')} | {r.get('launcher', '-')} | "
+                   f"{r['span_us']:.1f} | "
                    f"{ours:.1f} | {timer:.1f} | {gaps:.1f} | {r['span_us'] - timer:.1f} | "
                    f"{spans} | {_f(r.get('between_runs_us'))} |")
     return "\n".join(out)
@@ -480,6 +484,14 @@ def report(folder: str) -> str:
                   "handler through XLA's record stage (`launcher=\"ffi_record\"`); `flashmla`: "
                   "FlashMLA on the first variant's buffers (stream time: one CUDA graph).", "",
                   launcher_table(la), ""]
+    one = _load(folder, "one_call_ab.json")
+    if one:
+        parts += ["## The decode kernel and its reduce as one custom call (same run)", "",
+                  "`two`: two custom calls (`one_call=0`); `one`: one launch sequence "
+                  "(`jax_mla_triton_sequence`, the default); `one_pdl`: the sequence with "
+                  "programmatic dependent launch between its kernels (`pdl=1`); `flashmla`: "
+                  "FlashMLA on the first variant's buffers. All through the FFI launcher with "
+                  "the planning kernel.", "", launcher_table(one), ""]
     gaps = _load(folder, "gaps.json")
     if gaps:
         parts += ["## The timing chain on the GPU's timeline (CUPTI)", "",

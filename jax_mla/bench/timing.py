@@ -25,7 +25,10 @@ run's boundary costs is not hidden by queuing runs.)
 *Back to back* (``serial=True``): the calls of a run take a copy of the first argument each and
 every output is returned, with no dependency between them and no kernel of the timer's own (the
 dependency above costs one small kernel a call); they follow each other on the device's stream,
-as the calls of a CUDA graph do.
+as the calls of a CUDA graph do. With ``in_flight=True`` too, such runs are dispatched back to
+back (each on the same inputs; the device's stream orders them) with one sync at the end, as
+FlashMLA's graph replays are timed in flight: the host's work for a run hides under the GPU's
+work on the run before, and no kernel of the timer's is counted.
 
 The copy probe of :func:`ceilings` multiplies by 1.25 (exact in bf16, so XLA cannot drop it),
 and figures above any datasheet are flagged: a broken chain shows there first.
@@ -131,22 +134,28 @@ def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
     ``in_flight``: runs dispatched back to back, each fed the one before, one sync at the end
     (module docstring). ``serial``: the calls of a run back to back with no dependency and no
     feeding kernel, each on its own copy of the first argument (``chained(..., serial=True)``):
-    the stream time without the timer's own kernel a call, as FlashMLA's graph is timed."""
-    if donated + in_flight + serial > 1:
-        raise ValueError("device_time: donated, in_flight and serial are exclusive")
+    the stream time without the timer's own kernel a call, as FlashMLA's graph is timed. Both
+    ``serial`` and ``in_flight``: those runs dispatched back to back, one sync at the end."""
+    if donated + in_flight > 1 or donated + serial > 1:
+        raise ValueError("device_time: donated is exclusive with in_flight and serial")
     min_ms = MIN_MS if min_ms is None else min_ms
     reps = REPS if reps is None else reps
     one = jax.jit(fn)
     jax.block_until_ready(one(*args))
     est = min(_wall(one, args) for _ in range(EST_CALLS))
     n = int(max(2, min(max_n, (min_ms * 1e-3) // max(est, 1e-6))))
-    if in_flight:
-        return _in_flight(chained(fn, n, fed=True), one(*args), args, reps) / n
     if serial:
         inputs = serial_inputs(args, n)
         many = chained(fn, n, serial=True)
-        jax.block_until_ready(many(*inputs))
+        last = [jax.block_until_ready(many(*inputs))]
+        if in_flight:
+            def step():
+                last[0] = many(*inputs)
+
+            return in_flight_wall(step, lambda: jax.block_until_ready(last[0]), reps) / n
         return statistics.median(_wall(many, inputs) for _ in range(reps)) / n
+    if in_flight:
+        return _in_flight(chained(fn, n, fed=True), one(*args), args, reps) / n
     if not donated:
         many = chained(fn, n)
         jax.block_until_ready(many(*args))
