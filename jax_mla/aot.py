@@ -114,8 +114,9 @@ class Job:
 
 
 class _Recorder:
-    """Stands in for ``launch.triton_call``: records each launch as a :class:`Job` and returns
-    zeros of the output shapes, so a step traces through the backend unchanged."""
+    """Stands in for ``launch.triton_call`` (and ``triton_sequence``, kernel by kernel): records
+    each launch as a :class:`Job` and returns zeros of the output shapes, so a step traces
+    through the backend unchanged."""
 
     def __init__(self):
         self.jobs: list[Job] = []
@@ -135,11 +136,19 @@ class _Recorder:
         self.programs.append(math.prod(grid))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shapes)
 
+    def sequence(self, steps, arrays, *, out_shapes, target, launcher=None):
+        """Stands in for ``launch.triton_sequence``: each step recorded as its own launch."""
+        from jax_mla.backends.triton import launch
+
+        return launch.sequence_in_turn(steps, tuple(arrays), tuple(out_shapes), self,
+                                       target=target, launcher=launcher)
+
     @contextlib.contextmanager
     def patched(self):
         from jax_mla.backends.triton import decode, prefill, schedule
 
         with (mock.patch.object(decode, "triton_call", self),
+              mock.patch.object(decode, "triton_sequence", self.sequence),
               mock.patch.object(schedule, "triton_call", self),
               mock.patch.object(prefill, "triton_call", self)):
             yield self

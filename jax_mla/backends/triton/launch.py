@@ -156,15 +156,25 @@ def triton_sequence(steps, arrays, *, out_shapes, target, launcher=None) -> tupl
     ffi_launch.check_sequence(steps, n, len(out_shapes))
     if launcher == "ffi":
         return ffi_launch.launch_sequence(steps, arrays, out_shapes=out_shapes, target=target)
+    return sequence_in_turn(steps, arrays, out_shapes, triton_call, target=target,
+                            launcher=launcher)
+
+
+def sequence_in_turn(steps, arrays, out_shapes, call, **kw) -> tuple:
+    """The steps of :func:`triton_sequence` as calls of ``call`` (``triton_call``'s signature,
+    ``kw`` added) in turn: each step's inputs from the operands or the results so far, its
+    outputs new, a result it also reads aliased to its input. The results, a tuple."""
+    n = len(arrays)
+    ffi_launch.check_sequence(steps, n, len(out_shapes))
     results: dict[int, object] = {}
     for step in steps:
         aliases = {k: step.outputs.index(i - n) for k, i in enumerate(step.inputs)
                    if i >= n and i - n in step.outputs}
-        got = triton_call(
-            step.kernel, *(arrays[i] if i < n else results[i - n] for i in step.inputs),
-            grid=step.grid, out_shapes=[out_shapes[j] for j in step.outputs], target=target,
-            launcher=launcher, input_output_aliases=aliases, num_warps=step.num_warps,
-            num_stages=step.num_stages, compile_options=step.compile_options, **step.constexprs)
+        got = call(step.kernel, *(arrays[i] if i < n else results[i - n] for i in step.inputs),
+                   grid=step.grid, out_shapes=[out_shapes[j] for j in step.outputs],
+                   input_output_aliases=aliases, num_warps=step.num_warps,
+                   num_stages=step.num_stages, compile_options=step.compile_options,
+                   **kw, **step.constexprs)
         results.update(zip(step.outputs, got))
     return tuple(results[j] for j in range(len(out_shapes)))
 
