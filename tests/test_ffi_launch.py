@@ -787,7 +787,8 @@ for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
         def step(q, cache, bt, lens):
             md = jax_mla.build_decode_metadata(
                 bt, lens, page_size=PS, num_heads=heads, q=q, kv_cache=cache, backend="triton",
-                target=target, tuning=TritonTuning(launcher="ffi", planner="kernel"))
+                target=target, tuning=TritonTuning(launcher="ffi", planner="kernel",
+                                                   one_call=True))
             return jax_mla.mla_attention(q, cache, md, scale=0.1, backend="triton")
 
         lowered = jax.jit(step).trace(q, cache, bt, lens).lower(lowering_platforms=(platform,))
@@ -871,8 +872,8 @@ for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
             hashes=[h for l in calls for h in attr(l, "binary_hash", "binary_hashes")])
 res["pdl"] = pdl
 
-# one_call=False: the decode kernel and its reduce as two custom calls again.
-tun = TritonTuning(launcher="ffi", planner="jnp", one_call=False)
+# The default (one_call=False): the decode kernel and its reduce as two custom calls.
+tun = TritonTuning(launcher="ffi", planner="jnp")
 md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=16, q=q[:, :16],
                                    kv_cache=cache, backend="triton",
                                    target=Target("cuda", "sm_90", 132), tuning=tun)
@@ -901,9 +902,9 @@ print(json.dumps(res))
                     reason="triton without its AMD backend")
 def test_a_decode_step_lowers_to_our_ffi_calls_only_for_cuda_and_rocm(tmp_path):
     """Planning kernel, then decode kernel (Triton or the Gluon sm_90 one) and reduce as one
-    launch sequence: two typed FFI custom calls (api_version 4) carrying three ELF binaries, for
-    both GPU platforms, compiled on a host with no GPU; no jax-triton call and no Python
-    callback."""
+    launch sequence (``one_call``): two typed FFI custom calls (api_version 4) carrying three
+    ELF binaries, for both GPU platforms, compiled on a host with no GPU; no jax-triton call and
+    no Python callback. By default the decode kernel and the reduce are two calls."""
     # On a CPU jax, as in CI, also on a GPU host: a call's own target is then no device's.
     script = (f"import os; os.environ['JAX_MLA_CACHE_DIR'] = {str(tmp_path)!r}; "
               "os.environ['JAX_PLATFORMS'] = 'cpu'\n" + LOWER)
@@ -973,8 +974,8 @@ def test_ffi_and_jax_triton_launchers_agree_on_the_gpu(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
 def test_one_launch_sequence_and_two_calls_agree_on_the_gpu(rng, heads):
-    """On a GPU: the decode kernel and its reduce as one launch sequence (the default) and as
-    two custom calls give the same outputs and LSE bit for bit, close to the oracle, at lengths
+    """On a GPU: the decode kernel and its reduce as one launch sequence and as two custom
+    calls (the default) give the same outputs and LSE bit for bit, close to the oracle, at lengths
     that split (the reduce rewrites out / lse in place) and one that is empty."""
     import jax_mla
     from jax_mla.problem import current_platform

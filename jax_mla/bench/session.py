@@ -238,9 +238,12 @@ def stage_gaps(shapes):
     and the calls back to back with no feeding kernel (``chain: serial``). The launches go
     through the FFI launcher (built here if need be), and each row names the launcher that ran:
     without the library, ``auto`` would fall back to jax-triton, whose calls XLA cannot capture
-    in command buffers, and the timeline would be that path's."""
+    in command buffers, and the timeline would be that path's. Each row also says whether the
+    decode kernel and its reduce were one custom call (``one_call``,
+    ``JAX_MLA_TRITON_ONE_CALL``)."""
     import numpy as np
 
+    from jax_mla.backends.triton import TritonTuning
     from jax_mla.backends.triton.launch import resolve_launcher
     from jax_mla.bench import profile
     from jax_mla.bench.decode import Shape, attention_call
@@ -254,6 +257,7 @@ def stage_gaps(shapes):
         fn, args = attention_call(shape, np.random.default_rng(0))
         for chain in ("fed", "serial"):
             row = {"shape": shape.name, "chain": chain, "launcher": launcher,
+                   "one_call": TritonTuning.from_env().one_call,
                    **profile.chain_gaps(fn, *args, serial=chain == "serial")}
             rows.append(row)
             between = row.get("between_runs_us")
