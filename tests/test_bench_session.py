@@ -98,3 +98,29 @@ def test_memcheck_only_picks_cases_by_index_or_piece(tmp_path, monkeypatch, only
     assert calls == picked and warmed == []
     rows = json.loads((tmp_path / "memcheck.json").read_text())
     assert not any("warm" in t for row in rows for t in row["tries"])
+
+
+def test_the_one_call_stage_times_its_variants_with_every_timer(tmp_path, monkeypatch):
+    """``one_call``: one ``bench.ab`` process over :data:`session.ONE_CALL_AB`'s variants (two
+    calls, one sequence, one with PDL), runs in flight and calls back to back, the FFI library
+    named, into ``one_call_ab.json``; shapes after ``--`` replace the default ones; variants
+    parse as the A/B reads them."""
+    from jax_mla.bench import ab
+
+    seen = []
+    monkeypatch.setattr(session, "OUT", str(tmp_path))
+    monkeypatch.setattr(session, "_ffi_library", lambda: "/nowhere/lib.so")
+    monkeypatch.setattr(session, "_python",
+                        lambda args, timeout, what, **env: seen.append((args, env)))
+    session.stage_one_call(None)
+    session.stage_one_call(["8,16,4096"])
+    (args, env), (args2, _) = seen
+    name, variants, shapes = session.ONE_CALL_AB
+    assert args[:3] == ["-m", "jax_mla.bench.ab", str(tmp_path / name)]
+    assert args[3:3 + len(variants)] == list(variants) and "--in-flight" in args
+    assert "--serial" in args and env == {"JAX_MLA_FFI_LIBRARY": "/nowhere/lib.so"}
+    assert args[args.index("--") + 1:args.index("--in-flight")] == list(shapes)
+    assert args2[args2.index("--") + 1:args2.index("--in-flight")] == ["8,16,4096"]
+    tunings = dict(ab.parse_variant(v) for v in variants)
+    assert [t.one_call for t in tunings.values()] == [False, True, True]
+    assert [t.pdl for t in tunings.values()] == [False, False, True]

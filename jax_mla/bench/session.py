@@ -49,12 +49,14 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   timers (the stream time also with runs in flight and with our calls back to back,
   FlashMLA's graph also by our clock), metadata, command buffers, into ``launcher_ab.json``;
   ``record``: our launches captured or recorded through XLA's record stage
-  (:data:`RECORD_AB`, ``record_ab.json``).
+  (:data:`RECORD_AB`, ``record_ab.json``); ``one_call``: the decode kernel and its reduce as
+  two custom calls, as one launch sequence, and as one with PDL between them
+  (:data:`ONE_CALL_AB`, every timer, FlashMLA beside, ``one_call_ab.json``).
 - ``ncu``: Nsight Compute's counters for one call's kernels, ours beside FlashMLA's and cuDNN's
   (``jax_mla.bench.ncu``, ``ncu.json``; the cases after ``--``).
 
 Where FlashMLA's reduced tree was carried (:data:`PEERS`), it is built in the background at the
-start and the ``bench`` and ``launcher`` stages time it beside ours.
+start and the ``bench``, ``launcher`` and ``one_call`` stages time it beside ours.
 
 Results go to ``$OUT`` (JSON and CSV; no logs or traces); ``python -m jax_mla.bench.report``
 turns a folder of them into ``RESULTS.md``.
@@ -508,6 +510,23 @@ def stage_launcher(shapes):
             560, "launcher ab", JAX_MLA_FFI_LIBRARY=lib)
 
 
+# The decode kernel and its reduce as two custom calls (the default), as one launch sequence,
+# and as one with programmatic dependent launch between its kernels.
+ONE_CALL_AB = ("one_call_ab.json",
+               ("two:launcher=ffi,planner=kernel,one_call=0",
+                "one:launcher=ffi,planner=kernel,one_call=1",
+                "one_pdl:launcher=ffi,planner=kernel,one_call=1,pdl=1"),
+               ("1,16,1024", "1,128,1024", "8,16,4096", "32,16,4096", "128,16,8192",
+                "128,128,4096"))
+
+
+def stage_one_call(shapes):
+    name, variants, default_shapes = ONE_CALL_AB
+    _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--",
+             *(shapes or default_shapes), "--in-flight", "--serial"], 560, "one call ab",
+            JAX_MLA_FFI_LIBRARY=_ffi_library())
+
+
 GRAPH_SHAPES = ("1,16,1024", "32,16,4096", "128,128,4096")
 
 
@@ -907,7 +926,7 @@ def main(argv=None) -> int:
     if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         _CHILD_ENV_DROP.add("XLA_PYTHON_CLIENT_PREALLOCATE")
-    if {"bench", "bench_triton", "launcher", "ncu"} & set(stages):
+    if {"bench", "bench_triton", "launcher", "one_call", "ncu"} & set(stages):
         start_peer_build()
     for name in stages:
         log(f"== {name}")
