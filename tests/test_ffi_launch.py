@@ -971,6 +971,38 @@ def test_ffi_and_jax_triton_launchers_agree_on_the_gpu(rng):
         np.testing.assert_array_equal(outs["ffi"], outs["jax_triton"])
 
 
+def test_one_launch_sequence_and_two_calls_agree_under_the_interpreter(rng):
+    """On CPU (Triton's interpreter): ``one_call`` runs the decode kernel and its reduce in turn
+    through ``launch.triton_sequence``, with the same outputs and LSE, bit for bit, as two
+    calls, at lengths that split (the reduce rewrites out / lse in place), one that is empty
+    (out 0, LSE -inf) and close to the oracle."""
+    import jax_mla
+
+    from conftest import make_case
+    from oracle import mla_decode, rel_err
+
+    if not launch.triton_importable("cpu"):
+        pytest.skip("needs Triton's interpreter")
+    c = make_case(rng, seq_lens=[700, 0, 1, 90], qlen=1, num_heads=16, page_size=16)
+    q, cache = jnp.asarray(c.q, jnp.float32), jnp.asarray(c.cache, jnp.float32)
+    ref, _ = mla_decode(np.asarray(q), np.asarray(cache), c.block_table, c.seq_lens, qlen=1,
+                        page_size=16, scale=c.scale, kv_lora_rank=c.kv_lora_rank)
+    got = {}
+    for one in (True, False):
+        md = jax_mla.build_decode_metadata(
+            c.block_table, c.seq_lens, page_size=16, q=q, kv_cache=cache, backend="triton",
+            tuning=TritonTuning(one_call=one))
+        assert md.plan.launcher == "interpret" and md.plan.tuning.one_call == one
+        assert np.asarray(md.schedule.reduce_tiles)[0] >= 0  # a request was split
+        out, lse = jax.jit(lambda q, k, md: jax_mla.mla_attention(
+            q, k, md, scale=c.scale, return_lse=True))(q, cache, md)
+        got[one] = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+        assert rel_err(got[one][0], ref) < 1e-5, one
+        assert np.all(got[one][0][1] == 0) and np.all(np.isneginf(got[one][1][1])), one
+    np.testing.assert_array_equal(got[True][0], got[False][0])
+    np.testing.assert_array_equal(got[True][1], got[False][1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
 def test_one_launch_sequence_and_two_calls_agree_on_the_gpu(rng, heads):

@@ -152,8 +152,6 @@ def triton_sequence(steps, arrays, *, out_shapes, target, launcher=None) -> tupl
     target = as_target(target)
     launcher = resolve_launcher(target, launcher)
     arrays, out_shapes = tuple(arrays), tuple(out_shapes)
-    n = len(arrays)
-    ffi_launch.check_sequence(steps, n, len(out_shapes))
     if launcher == "ffi":
         return ffi_launch.launch_sequence(steps, arrays, out_shapes=out_shapes, target=target)
     return sequence_in_turn(steps, arrays, out_shapes, triton_call, target=target,
