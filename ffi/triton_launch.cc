@@ -464,17 +464,11 @@ struct Sequence {
   }
 };
 
-// Every operand's address, then the first `n_rets` results'.
-ffi::ErrorOr<std::vector<void*>> Buffers(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                                         size_t n_rets) {
-  return KernelPointers(args, rets, n_rets, 0);
-}
-
 ffi::Error ExecuteSequence(bool hip, void* stream, int32_t device, ffi::RemainingArgs args,
                            ffi::RemainingRets rets, const Sequence& seq) {
   if (ffi::Error e = seq.Check(args.size() + rets.size()); e.failure()) return e;
   const Driver& d = GetDriver(hip);
-  auto buffers = Buffers(args, rets, rets.size());
+  auto buffers = KernelPointers(args, rets, rets.size(), 0);  // every buffer's address
   if (buffers.has_error()) return buffers.error();
   for (size_t k = 0; k < seq.size(); ++k) {
     Launch l = seq.At(k);
@@ -899,7 +893,7 @@ ffi::Error PackSequence(ffi::RemainingArgs args, ffi::RemainingRets rets,
   Sequence seq = JAX_MLA_SEQUENCE_ATTR_ARGS;
   if (rets.size() == 0) return ffi::Error::InvalidArgument("no result to write into");
   if (ffi::Error e = seq.Check(args.size() + rets.size() - 1); e.failure()) return e;
-  auto buffers = Buffers(args, rets, rets.size() - 1);
+  auto buffers = KernelPointers(args, rets, rets.size() - 1, 0);
   if (buffers.has_error()) return buffers.error();
   auto out = rets.get<ffi::AnyBuffer>(rets.size() - 1);
   if (out.has_error()) return out.error();

@@ -253,13 +253,14 @@ def stage_gaps(shapes):
 
     _ffi_library()
     launcher = resolve_launcher(detect_target())
+    one_call = TritonTuning.from_env().one_call
     rows = []
     for spec in shapes or GAP_SHAPES:
         shape = Shape.parse(spec)
         fn, args = attention_call(shape, np.random.default_rng(0))
         for chain in ("fed", "serial"):
             row = {"shape": shape.name, "chain": chain, "launcher": launcher,
-                   "one_call": TritonTuning.from_env().one_call,
+                   "one_call": one_call,
                    **profile.chain_gaps(fn, *args, serial=chain == "serial")}
             rows.append(row)
             between = row.get("between_runs_us")

@@ -147,12 +147,9 @@ def device_time(fn, *args, min_ms: float | None = None, reps: int | None = None,
     if serial:
         inputs = serial_inputs(args, n)
         many = chained(fn, n, serial=True)
-        last = [jax.block_until_ready(many(*inputs))]
-        if in_flight:
-            def step():
-                last[0] = many(*inputs)
-
-            return in_flight_wall(step, lambda: jax.block_until_ready(last[0]), reps) / n
+        if in_flight:  # each run on the same inputs, the last one's output unused
+            return _in_flight(lambda _last, *a: many(*a), None, inputs, reps) / n
+        jax.block_until_ready(many(*inputs))
         return statistics.median(_wall(many, inputs) for _ in range(reps)) / n
     if in_flight:
         return _in_flight(chained(fn, n, fed=True), one(*args), args, reps) / n
@@ -196,7 +193,8 @@ def in_flight_wall(step, wait, reps) -> float:
 
 def _in_flight(many, prev, args, reps) -> float:
     """Median seconds per run of ``many(prev, *args)`` dispatched back to back, each fed the
-    last one's output (:func:`in_flight_wall`)."""
+    last one's output (:func:`in_flight_wall`; a ``many`` that ignores it times runs with no
+    dependency)."""
     last = [jax.block_until_ready(many(prev, *args))]  # compiles
 
     def step():

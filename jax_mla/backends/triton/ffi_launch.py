@@ -623,16 +623,21 @@ def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
                 hidden_params=i32(kb.hidden_params), target=kb.target, pdl=i32(bool(pdl)))
 
 
+def _require_arrays(owner: str, arrays) -> None:
+    """Only arrays are runtime parameters: a ``TypeError`` naming ``owner``'s first other one."""
+    for i, a in enumerate(arrays):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"{owner}: argument {i} is {type(a).__name__}; the native launcher "
+                            "takes arrays only (pass scalars as constexpr keywords)")
+
+
 def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_aliases=None,
            num_warps=4, num_stages=2, compile_options=None, record: bool = False, **constexprs):
     """``kernel[grid](*arrays, *outs, **constexprs)`` as one FFI custom call; the outputs.
     ``compile_options``: further options of Triton's compile (``compile_kernel``); ``record``:
     on CUDA, the target with XLA's record stage where it can be registered
     (:func:`register_record_target`); false: :data:`TARGET_NAME`, whose launch XLA captures."""
-    for i, a in enumerate(arrays):
-        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-            raise TypeError(f"{kernel.__name__}: argument {i} is {type(a).__name__}; the native "
-                            "launcher takes arrays only (pass scalars as constexpr keywords)")
+    _require_arrays(getattr(kernel, "__name__", "kernel"), arrays)
     out_shapes = tuple(out_shapes)
     check_device(target)
     register((_XLA_PLATFORMS[target.platform],))
@@ -737,10 +742,7 @@ def launch_sequence(steps, arrays, *, out_shapes, target: Target) -> tuple:
     does (its pointer types from the buffers it is given)."""
     arrays = tuple(arrays)
     out_shapes = tuple(out_shapes)
-    for i, a in enumerate(arrays):
-        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-            raise TypeError(f"launch_sequence: argument {i} is {type(a).__name__}; the native "
-                            "launcher takes arrays only (pass scalars as constexpr keywords)")
+    _require_arrays("launch_sequence", arrays)
     dtypes = [a.dtype for a in arrays] + [s.dtype for s in out_shapes]
     check_device(target)
     register((_XLA_PLATFORMS[target.platform],))
