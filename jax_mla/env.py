@@ -41,8 +41,8 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   (``plan.SPLIT_Q_TRITON``), elsewhere only in place of the Triton 64-row tile.
 - ``JAX_MLA_TRITON_SPLIT_Q_KERNEL=1``: that split made by one Triton kernel rather than XLA ops
   (the same values; off by default until timed on a GPU).
-- ``JAX_MLA_TRITON_ONE_CALL=1``: the decode kernel and its reduce as one custom call, a launch
-  sequence (``launch.triton_sequence``), rather than two (off by default until run on a GPU).
+- ``JAX_MLA_TRITON_ONE_CALL=0``: the decode kernel and its reduce as two custom calls rather
+  than one launch sequence (``launch.triton_sequence``, the default since it ran on an H200).
 - ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
 - ``JAX_MLA_FFI_COMMAND_BUFFERS=0``: our FFI targets are registered without the command-buffer
   trait, so XLA launches them outside its command buffers (a measurement knob; read when the

@@ -471,7 +471,8 @@ def test_flashmla_graph_is_timed_by_our_two_clocks(rng, monkeypatch):
 
 
 def test_command_buffers_are_counted_from_the_compiled_hlo(monkeypatch):
-    """The compiled program's ``command_buffer`` computations and our custom calls inside."""
+    """The compiled program's ``command_buffer`` computations and our custom calls inside: a
+    launch sequence counts as ours, another target does not."""
     from jax_mla.bench import profile
 
     hlo = """HloModule m, is_scheduled=true
@@ -482,6 +483,11 @@ def test_command_buffers_are_counted_from_the_compiled_hlo(monkeypatch):
   ROOT %b = f32[4]{0} custom-call(%a), custom_call_target="jax_mla_triton", api_version=4
 }
 
+%command_buffer.2 (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %s = f32[4]{0} custom-call(%p0), custom_call_target="jax_mla_triton_sequence"
+}
+
 %command_buffer.1 (p0: f32[4]) -> f32[4] {
   ROOT %p0 = f32[4]{0} parameter(0)
 }
@@ -490,7 +496,9 @@ ENTRY %main (x: f32[4]) -> f32[4] {
   %x = f32[4]{0} parameter(0)
   %c = f32[4]{0} call(%x), to_apply=%command_buffer
   %d = f32[4]{0} custom-call(%c), custom_call_target="jax_mla_triton"
-  ROOT %e = f32[4]{0} call(%d), to_apply=%command_buffer.1
+  %e = f32[4]{0} call(%d), to_apply=%command_buffer.1
+  %f = f32[4]{0} custom-call(%e), custom_call_target="other_target"
+  ROOT %g = f32[4]{0} call(%f), to_apply=%command_buffer.2
 }
 """
 
@@ -505,8 +513,8 @@ ENTRY %main (x: f32[4]) -> f32[4] {
             return hlo
 
     monkeypatch.setattr(profile.jax, "jit", lambda fn: Fake())
-    assert profile.command_buffers(None) == {"command_buffers": 2, "custom_calls": 3,
-                                             "custom_calls_in_command_buffers": 2}
+    assert profile.command_buffers(None) == {"command_buffers": 3, "custom_calls": 4,
+                                             "custom_calls_in_command_buffers": 3}
 
 
 def test_quick_bench_is_a_cpu_smoke_run(tmp_path):

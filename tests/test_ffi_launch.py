@@ -872,14 +872,19 @@ for platform, target in (("cuda", Target("cuda", "sm_90", 132)),
             hashes=[h for l in calls for h in attr(l, "binary_hash", "binary_hashes")])
 res["pdl"] = pdl
 
-# The default (one_call=False): the decode kernel and its reduce as two custom calls.
-tun = TritonTuning(launcher="ffi", planner="jnp")
-md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=16, q=q[:, :16],
-                                   kv_cache=cache, backend="triton",
-                                   target=Target("cuda", "sm_90", 132), tuning=tun)
-text = jax.jit(lambda q, c: jax_mla.mla_attention(q, c, md, scale=0.1, backend="triton")).trace(
-    q[:, :16], cache).lower(lowering_platforms=("cuda",)).as_text()
-res["two_calls"] = [l.split("@")[1].split("(")[0] for l in text.splitlines() if "custom_call" in l]
+# one_call=False: the decode kernel and its reduce as two custom calls; the default: one.
+calls = {}
+for one in (False, True):
+    tun = TritonTuning(launcher="ffi", planner="jnp", one_call=one)
+    md = jax_mla.build_decode_metadata(bt, lens, page_size=PS, num_heads=16, q=q[:, :16],
+                                       kv_cache=cache, backend="triton",
+                                       target=Target("cuda", "sm_90", 132), tuning=tun)
+    text = jax.jit(lambda q, c: jax_mla.mla_attention(q, c, md, scale=0.1,
+                                                      backend="triton")).trace(
+        q[:, :16], cache).lower(lowering_platforms=("cuda",)).as_text()
+    calls[one] = [l.split("@")[1].split("(")[0] for l in text.splitlines() if "custom_call" in l]
+res["two_calls"], res["one_call"] = calls[False], calls[True]
+res["default_one_call"] = TritonTuning().one_call
 
 # Too much shared memory for the target: a clear error at trace time.
 try:
@@ -902,9 +907,10 @@ print(json.dumps(res))
                     reason="triton without its AMD backend")
 def test_a_decode_step_lowers_to_our_ffi_calls_only_for_cuda_and_rocm(tmp_path):
     """Planning kernel, then decode kernel (Triton or the Gluon sm_90 one) and reduce as one
-    launch sequence (``one_call``): two typed FFI custom calls (api_version 4) carrying three
-    ELF binaries, for both GPU platforms, compiled on a host with no GPU; no jax-triton call and
-    no Python callback. By default the decode kernel and the reduce are two calls."""
+    launch sequence (``one_call``, the default): two typed FFI custom calls (api_version 4)
+    carrying three ELF binaries, for both GPU platforms, compiled on a host with no GPU; no
+    jax-triton call and no Python callback. With ``one_call=False`` the decode kernel and the
+    reduce are two calls."""
     # On a CPU jax, as in CI, also on a GPU host: a call's own target is then no device's.
     script = (f"import os; os.environ['JAX_MLA_CACHE_DIR'] = {str(tmp_path)!r}; "
               "os.environ['JAX_PLATFORMS'] = 'cpu'\n" + LOWER)
@@ -931,6 +937,7 @@ def test_a_decode_step_lowers_to_our_ffi_calls_only_for_cuda_and_rocm(tmp_path):
         "shared_error"], r["shared_error"]
     assert any(p.suffix == ".bin" for p in tmp_path.rglob("*")), "nothing cached on disk"
     assert r["two_calls"] == ["jax_mla_triton"] * 2, r["two_calls"]  # decode, reduce
+    assert r["one_call"] == ["jax_mla_triton_sequence"] and r["default_one_call"], r
     pdl = r["pdl"]
     assert pdl["cuda/False"]["flags"] == [0, 0, 0] and pdl["rocm/False"]["flags"] == [0, 0, 0]
     assert pdl["rocm/True"] == pdl["rocm/False"], pdl  # no PDL on ROCm: the same binaries

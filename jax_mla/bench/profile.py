@@ -172,13 +172,18 @@ def _computations(hlo: str) -> dict[str, str]:
     return comps
 
 
-def command_buffers(fn, *args, target: str = "jax_mla_triton") -> dict:
+def command_buffers(fn, *args, targets: tuple[str, ...] = ("jax_mla_triton",
+                                                         "jax_mla_triton_sequence",
+                                                         "jax_mla_triton_record")) -> dict:
     """What XLA put in command buffers (CUDA graphs) in ``jax.jit(fn)``'s compiled program:
     ``{"command_buffers", "custom_calls", "custom_calls_in_command_buffers"}``, the custom calls
-    counted being ``target``'s."""
+    counted being those of ``targets`` (by default every launcher target of jax_mla's: one
+    launch, a launch sequence, a recorded launch)."""
     hlo = jax.jit(fn).lower(*args).compile().as_text()
     comps = _computations(hlo)
-    needle = f'custom_call_target="{target}"'
+    names = "|".join(map(re.escape, targets))
+    pattern = re.compile(f'custom_call_target="({names})"')
     cbs = {k: v for k, v in comps.items() if k.startswith("command_buffer")}
-    return {"command_buffers": len(cbs), "custom_calls": hlo.count(needle),
-            "custom_calls_in_command_buffers": sum(v.count(needle) for v in cbs.values())}
+    return {"command_buffers": len(cbs), "custom_calls": len(pattern.findall(hlo)),
+            "custom_calls_in_command_buffers": sum(len(pattern.findall(v))
+                                                   for v in cbs.values())}

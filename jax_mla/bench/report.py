@@ -343,9 +343,9 @@ def launcher_table(rows) -> str:
            + "---|" * (len(extra) + len(ratios) + runs)]
     for r in rows:
         gpu = r.get("gpu_us")
-        cb = ("-" if "command_buffers" not in r else
-              f"{r['command_buffers']} ({r['custom_calls_in_command_buffers']} / "
-              f"{r['custom_calls']})")
+        cb = ("-" if "command_buffers" not in r else str(r["command_buffers"]) + (
+            f" ({r['custom_calls_in_command_buffers']} / {r['custom_calls']})"
+            if "custom_calls" in r else ""))
         md = (f"{_f(r.get('metadata_gpu_us'))} ({_f(r.get('metadata_launches'), 0)}, "
               f"{_f(r.get('metadata_memcpys'), 0)})")
         out.append(f"| {r['shape']} | {r['variant']} | {r['best_us']:.1f} | "

@@ -184,7 +184,7 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
                   jax.ShapeDtypeStruct((prow, h, lr), f32),
                   jax.ShapeDtypeStruct((prow, h), f32)]
     grid = (sched.num_programs * cfg.num_head_blocks,)
-    if plan.tuning is not None and plan.tuning.one_call:
+    if plan.tuning is None or plan.tuning.one_call:
         # The decode kernel and its reduce, one custom call: the reduce reads the partials
         # (results 2, 3) and rewrites out / lse (results 0, 1) in place.
         r_kernel, r_arrays, r_grid, r_consts = reduce_launch(sched, out_shapes[0],
