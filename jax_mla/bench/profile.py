@@ -172,13 +172,15 @@ def _computations(hlo: str) -> dict[str, str]:
     return comps
 
 
-def command_buffers(fn, *args, targets: tuple[str, ...] = ("jax_mla_triton",
-                                                         "jax_mla_triton_sequence",
-                                                         "jax_mla_triton_record")) -> dict:
+def command_buffers(fn, *args, targets: tuple[str, ...] | None = None) -> dict:
     """What XLA put in command buffers (CUDA graphs) in ``jax.jit(fn)``'s compiled program:
     ``{"command_buffers", "custom_calls", "custom_calls_in_command_buffers"}``, the custom calls
-    counted being those of ``targets`` (by default every launcher target of jax_mla's: one
+    counted being those of ``targets`` (None: every launcher target of ``ffi_launch``'s: one
     launch, a launch sequence, a recorded launch)."""
+    if targets is None:
+        from jax_mla.backends.triton import ffi_launch as fl
+
+        targets = (fl.TARGET_NAME, fl.SEQUENCE_TARGET_NAME, fl.RECORD_TARGET_NAME)
     hlo = jax.jit(fn).lower(*args).compile().as_text()
     comps = _computations(hlo)
     names = "|".join(map(re.escape, targets))
