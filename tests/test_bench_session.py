@@ -124,3 +124,94 @@ def test_the_one_call_stage_times_its_variants_with_every_timer(tmp_path, monkey
     tunings = dict(ab.parse_variant(v) for v in variants)
     assert [t.one_call for t in tunings.values()] == [False, True, True]
     assert [t.pdl for t in tunings.values()] == [False, False, True]
+
+
+def _junit(path, cases):
+    """A JUnit file as pytest writes it: ``cases`` maps a test name to its outcome."""
+    body = {"passed": "", "failed": '<failure message="boom"/>', "error": '<error message="x"/>',
+            "skipped": '<skipped type="pytest.skip" message="no"/>',
+            "xfailed": '<skipped type="pytest.xfail" message="known"/>'}
+    rows = "".join(f'<testcase classname="tests.test_conformance" name="{name}" time="1.25">'
+                   f"{body[outcome]}</testcase>" for name, outcome in cases.items())
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{rows}'
+                    "</testsuite></testsuites>")
+
+
+def test_junit_rows_reads_every_outcome_and_marks_unreported_cases_not_run(tmp_path):
+    _junit(tmp_path / "a.xml", {"test_a": "passed", "test_b": "failed", "test_c": "error"})
+    _junit(tmp_path / "b.xml", {"test_d": "skipped", "test_e": "xfailed"})
+    ids = [f"tests/test_conformance.py::test_{k}" for k in "abcdef"]
+    rows = session.junit_rows([str(tmp_path / "a.xml"), str(tmp_path / "b.xml"),
+                               str(tmp_path / "missing.xml")], ids)
+    assert [r["test"] for r in rows] == ids
+    assert [r["outcome"] for r in rows] == ["passed", "failed", "failed", "skipped", "xfailed",
+                                            "not run"]
+    assert rows[0]["seconds"] == 1.25 and "seconds" not in rows[-1]
+
+
+def test_conformance_shards_split_the_cases_and_interrupt_a_process_at_the_limit(
+        tmp_path, monkeypatch):
+    """Every collected case goes to exactly one shard process, each with the FFI library named
+    and a share of the GPU's memory; a process past the wall limit gets SIGINT (so pytest
+    still writes what it finished), and its unreached cases are ``not run``."""
+    import signal
+
+    ids = [f"tests/test_conformance.py::test_{i}[triton]" for i in range(7)]
+    monkeypatch.setattr(session, "OUT", str(tmp_path))
+    monkeypatch.setattr(session, "_ffi_library", lambda: "/nowhere/lib.so")
+    monkeypatch.setattr(session, "CONFORMANCE_SHARDS", 3)
+    monkeypatch.setattr(session, "CONFORMANCE_LIMIT", 0)
+    monkeypatch.setattr(session.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, "\n".join(ids) + "\n\n7 tests collected", ""))
+    started = []
+
+    class Proc:
+        def __init__(self, cmd, env, stdout, stderr):
+            self.xml = next(a for a in cmd if a.startswith("--junitxml=")).split("=", 1)[1]
+            self.cases = [a for a in cmd if "::" in a]
+            self.env, self.signals, self.last = env, [], len(started) == 2
+            started.append(self)
+            stdout.write("..\n2 passed\n")
+
+        def wait(self, timeout=None):
+            if self.last and not self.signals:  # the slow shard: still running at the limit
+                raise subprocess.TimeoutExpired("pytest", timeout)
+            finished = self.cases[:1] if self.signals else self.cases
+            _junit(__import__("pathlib").Path(self.xml),
+                   {c.split("::")[1]: "passed" for c in finished})
+            return 0
+
+        def send_signal(self, sig):
+            self.signals.append(sig)
+
+    monkeypatch.setattr(session.subprocess, "Popen", Proc)
+    session.stage_conformance_shards(None)
+    assert sorted(c for p in started for c in p.cases) == sorted(ids) and len(started) == 3
+    assert all(p.env["JAX_MLA_FFI_LIBRARY"] == "/nowhere/lib.so" for p in started)
+    assert all(float(p.env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) <= 0.3 for p in started)
+    assert [p.signals for p in started] == [[], [], [signal.SIGINT]]
+    got = json.loads((tmp_path / "conformance_ffi.json").read_text())
+    slow = started[2].cases
+    assert got["summary"] == {"passed": 7 - len(slow) + 1, "not run": len(slow) - 1}
+    assert [c["outcome"] for c in got["cases"] if c["test"] in slow[1:]] == ["not run"] * (
+        len(slow) - 1)
+
+
+def test_the_allocator_stage_runs_a_chain_process_per_allocator(tmp_path, monkeypatch):
+    """``allocators``: one ``cmdbuf --chains`` process per allocator named in
+    ``JAX_MLA_ALLOCATORS``, with that allocator's environment and XLA's update log on."""
+    seen = []
+    monkeypatch.setattr(session, "OUT", str(tmp_path))
+    monkeypatch.setattr(session, "_ffi_library", lambda: "/nowhere/lib.so")
+    monkeypatch.setattr(session, "_python",
+                        lambda args, timeout, what, **env: seen.append((args, env)))
+    monkeypatch.setenv("JAX_MLA_ALLOCATORS", "default,temp_color,cuda_async")
+    session.stage_allocators(["1,128,1024"])
+    assert [a[2:4] for a, _ in seen] == [["--chains", str(tmp_path / f"alloc_{n}.json")]
+                                         for n in ("default", "temp_color", "cuda_async")]
+    assert all(a[-1] == "1,128,1024" and "--no-profile" in a for a, _ in seen)
+    envs = [env for _, env in seen]
+    assert "XLA_FLAGS" not in envs[0] and "XLA_PYTHON_CLIENT_ALLOCATOR" not in envs[0]
+    assert envs[1]["XLA_FLAGS"] == "--xla_gpu_temp_buffer_use_separate_color=true"
+    assert envs[2]["XLA_PYTHON_CLIENT_ALLOCATOR"] == "cuda_async"
+    assert all(e["TF_CPP_VMODULE"] == session.ALLOCATOR_VMODULE for e in envs)

@@ -723,3 +723,15 @@ def test_the_record_stage_times_captured_against_recorded_launches(monkeypatch, 
     assert first[first.index("--") + 1:-1] == list(session.RECORD_AB[2])
     assert first[-1] == "--no-peers" and env["JAX_MLA_FFI_LIBRARY"] == "/lib/ours.so"
     assert second[second.index("--") + 1:] == ["2,16,1024", "--no-peers"]
+
+
+def test_chain_compiler_options_parse_booleans_integers_and_words(monkeypatch):
+    from jax_mla.bench import cmdbuf
+
+    monkeypatch.delenv("JAX_MLA_CHAIN_COMPILER_OPTIONS", raising=False)
+    assert cmdbuf.compiler_options() == {}
+    monkeypatch.setenv("JAX_MLA_CHAIN_COMPILER_OPTIONS",
+                       "xla_gpu_temp_buffer_use_separate_color=true,xla_a=False,xla_n=16,"
+                       "xla_mode=SKIP_TEMP")
+    assert cmdbuf.compiler_options() == {"xla_gpu_temp_buffer_use_separate_color": True,
+                                         "xla_a": False, "xla_n": 16, "xla_mode": "SKIP_TEMP"}

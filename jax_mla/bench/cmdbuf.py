@@ -161,7 +161,20 @@ def thunk_summary(dump_dir: str, module: str = "jit_many") -> dict:
 CHAIN_LENGTHS = (1, 4, 16, 64, 128)
 
 
-def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
+def compiler_options() -> dict:
+    """``JAX_MLA_CHAIN_COMPILER_OPTIONS="name=value[,name=value]"`` as the XLA options the
+    chained programs are compiled with (``jax.jit(...).lower(...).compile(compiler_options=)``):
+    a flag given to one program instead of the whole process. ``true``/``false`` become
+    booleans, digits integers."""
+    options = {}
+    for item in filter(None, os.environ.get("JAX_MLA_CHAIN_COMPILER_OPTIONS", "").split(",")):
+        key, _, value = item.partition("=")
+        options[key.strip()] = ({"true": True, "false": False}.get(value.lower(), int(value)
+                                if value.isdigit() else value))
+    return options
+
+
+def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7, profiled: bool = True) -> list[dict]:
     """Where a chained call's wall time goes, per shape of ``specs`` and chain length ``n`` (one
     program of ``n`` dependent calls, as the stream timer builds it): wall per call (dispatch to
     sync, median of ``reps``), host time to enqueue the program (the call's return, before the
@@ -169,7 +182,8 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
     process logs it), and, under CUPTI, the GPU span and launches per call, with the host's time
     by profiler event for each shape's longest chain (:func:`host_events`). Wall near the
     enqueue time means the host bounds the chain; wall near the span means the GPU does. Every
-    wall time is taken before CUPTI loads: its callbacks slow the host."""
+    wall time is taken before CUPTI loads: its callbacks slow the host. ``profiled=False``
+    leaves CUPTI out (no span, launches or host events)."""
     import statistics
     import time
 
@@ -186,10 +200,13 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
     inside = env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True)
     launcher = env.read_choice("JAX_MLA_TRITON_LAUNCHER", LAUNCHERS, "auto")
     initialize = env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
+    options = compiler_options()
     rows = []
     for spec, (fn, args) in calls.items():
         for n in ns:
             many = chained(fn, n)
+            if options:  # this program alone compiled with them, not the process
+                many = many.lower(*args).compile(compiler_options=options)
             jax.block_until_ready(many(*args))
             walls, enqueues = [], []
             with captured_stderr() as log:
@@ -201,12 +218,17 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7) -> list[dict]:
                     walls.append(time.perf_counter() - t0)
                     enqueues.append(t1 - t0)
             rows.append({"shape": spec, "n": n, "launcher": launcher,
+                         "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
+                         "tfrt_gpu_client": os.environ.get(
+                             "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "0") == "1",
+                         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                         "compiler_options": options,
                          "ffi_command_buffers": inside,
                          "ffi_initialize_stage": initialize,
                          "wall_us": statistics.median(walls) / n * 1e6,
                          "enqueue_us": statistics.median(enqueues) / n * 1e6,
                          "updates": update_summary(log[0])})
-    if profile.available():
+    if profiled and profile.available():
         for row in rows:
             fn, args = calls[row["shape"]]
             gaps = profile.chain_gaps(fn, *args, n=row["n"])
@@ -254,8 +276,16 @@ def host_events(fn, args, n: int, executions: int = 3, top: int = 30) -> dict:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--chains":
+        # ``--ns 16,128``: those chain lengths only; ``--no-profile``: no CUPTI pass (walls,
+        # enqueue times and XLA's update log only).
+        ns, profiled = CHAIN_LENGTHS, "--no-profile" not in argv
+        argv = [a for a in argv if a != "--no-profile"]
+        if "--ns" in argv:
+            i = argv.index("--ns")
+            ns = tuple(int(n) for n in argv[i + 1].split(","))
+            del argv[i:i + 2]
         out_path, specs = argv[1], argv[2:] or ["1,16,1024", "32,16,4096"]
-        rows = chain_lengths(specs)
+        rows = chain_lengths(specs, ns, profiled=profiled)
         with open(out_path, "w") as f:
             json.dump(rows, f, indent=1)
         return 0

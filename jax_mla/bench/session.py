@@ -38,10 +38,13 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
 - ``launcher_tests``: the FFI launcher (``docs/launcher.md``): builds its library if this
   checkout has none, runs its GPU tests and the planning kernel's bit-exactness test;
   ``conformance_ffi``: the Triton half of the conformance suite through both (the GPU
-  defaults);
+  defaults); ``conformance_shards``: every Triton and Gluon case in processes side by side,
+  one row a case into ``conformance_ffi.json``;
 - ``split_q``: the Gluon fp8 kernel with a 16-bit query split in two e4m3 parts, its
   conformance cases and an A/B against the Triton tiles (:data:`SPLIT_Q_AB`); ``split_probe``:
   the same kernel on made query parts whose answers are known (``jax_mla.bench.split_probe``).
+- ``allocators``: chained calls' wall time and XLA's command-buffer updates under each of the
+  PJRT client's allocators (:data:`ALLOCATORS`), a process each, into ``alloc_<name>.json``.
 - ``update_modes``: the FFI path's two timers under each command-buffer update mode the
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
@@ -497,6 +500,89 @@ def stage_conformance_ffi(_):
             JAX_MLA_FFI_LIBRARY=_ffi_library())
 
 
+# The sharded conformance run: how many pytest processes share the GPU, and the wall limit.
+CONFORMANCE_SHARDS = int(os.environ.get("JAX_MLA_CONFORMANCE_SHARDS", 4))
+CONFORMANCE_LIMIT = int(os.environ.get("JAX_MLA_CONFORMANCE_LIMIT", 480))
+
+
+def stage_conformance_shards(_):
+    """Every Triton and Gluon conformance case (long ragged ones included) through the GPU
+    defaults (the FFI launcher, one custom call a layer, the planning kernel), in
+    :data:`CONFORMANCE_SHARDS` pytest processes side by side (at most a fifth of the GPU's
+    memory each; compiling, not the GPU, is what takes the time), one row a case into
+    ``conformance_ffi.json``: ``{test, outcome, seconds}`` and a summary by outcome. At the
+    wall limit (:data:`CONFORMANCE_LIMIT`) a process still running is interrupted (pytest then
+    still writes the cases it finished) and the cases it had not reached are ``not run``."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    collected = subprocess.run([sys.executable, *PYTEST, "--collect-only",
+                                "tests/test_conformance.py", "-k", "triton or sm90"],
+                               capture_output=True, text=True, env=env)
+    ids = [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
+    lib = _ffi_library()
+    env.update(OUT=OUT, JAX_MLA_FFI_LIBRARY=lib, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               XLA_PYTHON_CLIENT_MEM_FRACTION=f"{min(0.2, 0.9 / CONFORMANCE_SHARDS):.3f}")
+    tmp = tempfile.mkdtemp(prefix="jax_mla_conformance_")
+    shards = [ids[i::CONFORMANCE_SHARDS] for i in range(CONFORMANCE_SHARDS)]
+    log(f"{len(ids)} cases in {len(shards)} processes")
+    procs = []
+    for i, shard in enumerate(shards):
+        xml = os.path.join(tmp, f"shard{i}.xml")
+        with open(os.path.join(tmp, f"shard{i}.log"), "w") as out:
+            procs.append((xml, out.name, subprocess.Popen(
+                [sys.executable, *PYTEST, f"--junitxml={xml}", *shard], env=env,
+                stdout=out, stderr=subprocess.STDOUT)))
+    t = time.time()
+    for _, _, proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, CONFORMANCE_LIMIT - (time.time() - t)))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # pytest writes its JUnit file on the way out
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    table = junit_rows([xml for xml, _, _ in procs], ids)
+    counts: dict[str, int] = {}
+    for row in table:
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    with open(os.path.join(OUT, "conformance_ffi.json"), "w") as f:
+        json.dump({"summary": counts, "shards": len(shards),
+                   "wall_s": round(time.time() - t, 1), "cases": table}, f, indent=1)
+    log(f"conformance through the FFI launcher in {time.time() - t:.0f} s: {counts}")
+    for row in table:
+        if row["outcome"] in ("failed", "not run"):
+            log(f"  {row['outcome']}: {row['test']}")
+    for _, path, _ in procs:
+        tail = [ln for ln in open(path).read().splitlines() if ln.strip()][-3:]
+        log("  " + " | ".join(tail))
+
+
+def junit_rows(paths, ids) -> list[dict]:
+    """One ``{test, outcome, seconds}`` a collected id from pytest's JUnit files at ``paths``
+    (those that exist): ``passed``, ``failed`` (a failure or an error), ``skipped``,
+    ``xfailed``; an id no file reports is ``not run``."""
+    import xml.etree.ElementTree as ET
+
+    rows = {}
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        for case in ET.parse(path).getroot().iter("testcase"):
+            kids = {c.tag: c for c in case}
+            outcome = ("failed" if {"failure", "error"} & set(kids) else
+                       "skipped" if "skipped" in kids else "passed")
+            if "skipped" in kids and "xfail" in (kids["skipped"].get("type") or ""):
+                outcome = "xfailed"
+            module = case.get("classname", "").replace(".", "/") + ".py"
+            name = f"{module}::{case.get('name')}"
+            rows[name] = {"test": name, "outcome": outcome,
+                          "seconds": round(float(case.get("time") or 0), 2)}
+    return [rows.get(i, {"test": i, "outcome": "not run"}) for i in ids]
+
+
 def stage_record(shapes):
     name, variants, default_shapes = RECORD_AB
     _python(["-m", "jax_mla.bench.ab", os.path.join(OUT, name), *variants, "--",
@@ -694,6 +780,40 @@ def stage_cmdbuf_chains(_):
                 JAX_MLA_FFI_LIBRARY=_ffi_library(), TF_CPP_MIN_LOG_LEVEL="0",
                 TF_CPP_VMODULE=cmdbuf.VMODULE, XLA_FLAGS=cmdbuf.PROFILE_WITH_COMMAND_BUFFERS,
                 **knobs)
+
+
+# The PJRT client's allocators (``XLA_PYTHON_CLIENT_ALLOCATOR``, as jaxlib 0.11 passes it to
+# the GPU plugin), its TFRT client, and XLA's temporaries in a pool of their own
+# (``--xla_gpu_temp_buffer_use_separate_color``, "the fixed address on every iteration"): which
+# of them keeps a program's buffers where the last execution had them, so that XLA need not
+# update the command buffer before each replay.
+TEMP_COLOR = {"XLA_FLAGS": "--xla_gpu_temp_buffer_use_separate_color=true"}
+ALLOCATORS = {"default": {},
+              "temp_color": TEMP_COLOR,
+              "cuda_async": {"XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"},
+              "temp_color_async": {**TEMP_COLOR, "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"},
+              "vmm": {"XLA_PYTHON_CLIENT_ALLOCATOR": "vmm"},
+              "temp_color_jit": {"JAX_MLA_CHAIN_COMPILER_OPTIONS":
+                                 "xla_gpu_temp_buffer_use_separate_color=true"},
+              "tfrt": {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"},
+              "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}}
+ALLOCATOR_SHAPES = ("1,128,1024", "8,16,4096", "32,16,4096")
+# What the allocator processes log: XLA's update decision per execution, not per command.
+ALLOCATOR_VMODULE = "command_buffer_thunk=3"
+
+
+def stage_allocators(shapes):
+    """Wall and host enqueue time a call in chains of 16 and 128 dependent calls, and XLA's
+    command-buffer updates over the timed runs (``cmdbuf --chains --no-profile``), one process
+    per :data:`ALLOCATORS` entry (``JAX_MLA_ALLOCATORS`` picks some), at
+    :data:`ALLOCATOR_SHAPES` (or the shapes after ``--``), to ``alloc_<name>.json``."""
+    names = os.environ.get("JAX_MLA_ALLOCATORS", ",".join(ALLOCATORS)).split(",")
+    lib = _ffi_library()
+    for name in names:
+        _python(["-m", "jax_mla.bench.cmdbuf", "--chains", os.path.join(OUT, f"alloc_{name}.json"),
+                 "--ns", "16,128", "--no-profile", *(shapes or ALLOCATOR_SHAPES)], 120,
+                f"allocator {name}", JAX_MLA_FFI_LIBRARY=lib, TF_CPP_MIN_LOG_LEVEL="0",
+                TF_CPP_VMODULE=ALLOCATOR_VMODULE, **ALLOCATORS[name])
 
 
 # XLA's ways of keeping a command buffer's addresses (``--xla_gpu_command_buffer_update_mode``):
