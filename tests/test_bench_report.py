@@ -276,3 +276,41 @@ def test_memcheck_section_names_every_case_and_try(tmp_path):
     assert "| `test_conformance.py::test_y` | signal | - | signal 4 |" in text
     assert "| `test_conformance.py::test_z` | passed | 0 | 12th session: passed, 2: signal 4 |" \
         in text
+
+
+def test_client_allocator_and_conformance_sections(tmp_path):
+    """``client_ab.json`` is a launcher table; ``allocators.json`` one row per allocator, shape
+    and chain length, with XLA's updates, and a failed client with its error;
+    ``conformance_ffi.json`` the counts, every case that did not pass, the other runs."""
+    rng = np.random.default_rng()
+    shape = "B1 H128 S1024 Q1 p64"
+    clients = [_ab_row(rng, shape, v) for v in ("default_client", "tfrt_client")]
+    wall = float(rng.uniform(10, 40))
+    updates = {"executions": 7, "updates": 6, "updated_allocs_mean": 2.0,
+               "executions_since_update_max": 1, "update_us_mean": 2414.3}
+    alloc = {"note": "made up", "rows": [
+        {"client": "default", "shape": "1,128,1024", "n": 128, "wall_us": wall,
+         "enqueue_us": 21.2, "updates": updates},
+        {"client": "tfrt", "shape": "1,128,1024", "n": 128, "wall_us": 16.6, "enqueue_us": 1.2,
+         "updates": {"executions": 7, "updates": 0}},
+        {"client": "temp_color_jit", "error": "INTERNAL: No allocator found"}]}
+    conf = {"note": "n", "summary": {"passed": 53, "failed": 1, "xfailed": 1}, "shards": 6,
+            "wall_s": 120.7, "cases": [
+                {"test": "t::test_a", "outcome": "passed"}, {"test": "t::test_b",
+                                                             "outcome": "failed"},
+                {"test": "t::test_c", "outcome": "xfailed"},
+                {"test": "t::test_d", "outcome": "not run"}],
+            "other_runs": [{"run": "call 2", "summary": {"passed": 55}, "failed": ["t::test_e"]}]}
+    for name, data in (("client_ab.json", clients), ("allocators.json", alloc),
+                       ("conformance_ffi.json", conf)):
+        (tmp_path / name).write_text(json.dumps(data))
+    text = report.report(str(tmp_path))
+    assert "## The default PJRT client against its TFRT client" in text
+    assert f"| {shape} | tfrt_client | {clients[1]['best_us']:.1f} |" in text
+    assert f"| default | 1,128,1024 | 128 | {wall:.1f} | 21.2 | 6 / 7 | 2.0 | 1 | 2414 |" in text
+    assert "| tfrt | 1,128,1024 | 128 | 16.6 | 1.2 | 0 / 7 | - | - | - |" in text
+    assert "| temp_color_jit | - | - | failed: INTERNAL: No allocator found |" in text
+    assert "1 failed, 53 passed, 1 xfailed (6 processes, 121 s)." in text
+    assert "- failed: `t::test_b`" in text and "- not run: `t::test_d`" in text
+    assert "`t::test_a`" not in text and "`t::test_c`" not in text
+    assert "- call 2: passed: 55." in text and "  - failed: `t::test_e`" in text

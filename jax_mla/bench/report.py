@@ -12,10 +12,13 @@ session on an earlier tree, for a before/after table), ``kernels.json`` and ``ke
 ``stream_execute.json``, ``stream_initialize.json``, ``record_ab.json``, ``cmdbuf.json``,
 ``cmdbuf_chains*.json``, ``launcher_ab.json``, ``one_call_ab.json``, ``graphs.json``,
 ``planner.json``, ``latency_ab.json``, ``conformance.json``
-(the GPU test summary), and ``tried.md`` (what was measured and kept or dropped, in words), and
-writes ``RESULTS.md`` next to them. Ratios are against the device's reference ceilings
-(docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16 matmul); the bench's own
-in-run probes are shown beside them, since they move with the GPU's clocks from run to run.
+(the GPU test summary), ``conformance_ffi.json`` (one case a row), ``client_ab.json`` (the
+default PJRT client against its TFRT client), ``allocators.json`` (chained calls and XLA's
+command-buffer updates under each allocator), and ``tried.md`` (what was measured and kept or
+dropped, in words), and writes ``RESULTS.md`` next to them. Ratios are against the device's
+reference ceilings (docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16
+matmul); the bench's own in-run probes are shown beside them, since they move with the GPU's
+clocks from run to run.
 """
 
 from __future__ import annotations
@@ -316,6 +319,45 @@ def chains_table(rows) -> str:
     return "\n".join(out)
 
 
+def allocators_table(data) -> str:
+    """``allocators.json`` (the session's ``allocators`` stage, merged): per PJRT allocator or
+    client and shape, chained calls' wall and host enqueue time a call, and XLA's
+    command-buffer updates over the timed runs, with the allocations that moved; a client
+    that could not run says why."""
+    out = [data.get("note", ""), "",
+           "| allocator / client | shape | calls chained | wall µs a call | enqueue µs a call | "
+           "updates / runs | allocations moved | most runs between updates | µs an update "
+           "(log on) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if "error" in r:
+            out.append(f"| {r['client']} | - | - | failed: {r['error'][:90]} | - | - | - | - "
+                       "| - |")
+            continue
+        u = r.get("updates") or {}
+        out.append(f"| {r['client']} | {r['shape']} | {r['n']} | {_f(r['wall_us'])} | "
+                   f"{_f(r['enqueue_us'])} | {u.get('updates', 0)} / {u.get('executions', 0)} "
+                   f"| {_f(u.get('updated_allocs_mean'))} | "
+                   f"{_f(u.get('executions_since_update_max'), 0)} | "
+                   f"{_f(u.get('update_us_mean'), 0)} |")
+    return "\n".join(out)
+
+
+def conformance_runs_table(data) -> str:
+    """``conformance_ffi.json`` (the ``conformance_shards`` stage): the run's outcomes by count,
+    each case that did not pass, and the other runs' summaries and failures."""
+    counts = ", ".join(f"{v} {k}" for k, v in sorted(data["summary"].items()))
+    out = [data.get("note", ""), "",
+           f"{counts} ({data.get('shards')} processes, {_f(data.get('wall_s'), 0)} s)."]
+    out += [f"- {c['outcome']}: `{c['test']}`" for c in data["cases"]
+            if c["outcome"] not in ("passed", "xfailed", "skipped")]
+    for run in data.get("other_runs", []):
+        summary = run["summary"]
+        text = (", ".join(f"{k}: {v}" for k, v in summary.items()) if isinstance(summary, dict)
+                else str(summary))
+        out += [f"- {run['run']}: {text}."] + [f"  - failed: `{f}`" for f in run.get("failed", [])]
+    return "\n".join(out)
+
+
 def host_events_table(rows, top: int = 12) -> str:
     """The host's time per chained call by event name (``host_events_us`` of the longest chain
     of each shape and launch mode; a profiler trace, CUPTI on: names compare, not totals)."""
@@ -458,6 +500,10 @@ def report(folder: str) -> str:
     conf = _load(folder, "conformance.json")
     if conf:
         parts += ["## GPU conformance", "", conf.get("summary", ""), ""]
+    cf = _load(folder, "conformance_ffi.json")
+    if cf:
+        parts += ["## GPU conformance through the FFI launcher, one case a row", "",
+                  conformance_runs_table(cf), ""]
     dec = _load(folder, "decode.json")
     if dec:
         parts += ["## Decode grid", "", decode_table(dec), ""]
@@ -492,6 +538,17 @@ def report(folder: str) -> str:
                   "programmatic dependent launch between its kernels (`pdl=1`); `flashmla`: "
                   "FlashMLA on the first variant's buffers. All through the FFI launcher with "
                   "the planning kernel.", "", launcher_table(one), ""]
+    cl = _load(folder, "client_ab.json")
+    if cl:
+        parts += ["## The default PJRT client against its TFRT client (a process each)", "",
+                  "`default_client` / `tfrt_client`: the FFI path with its defaults, the "
+                  "process started without and with `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`; "
+                  "`flashmla_*`: FlashMLA on the same buffers in that process (a control "
+                  "between the two processes).", "", launcher_table(cl), ""]
+    al = _load(folder, "allocators.json")
+    if al:
+        parts += ["## Chained calls under each PJRT allocator and client (a process each)", "",
+                  allocators_table(al), ""]
     gaps = _load(folder, "gaps.json")
     if gaps:
         parts += ["## The timing chain on the GPU's timeline (CUPTI)", "",
