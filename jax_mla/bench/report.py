@@ -491,6 +491,27 @@ def _kernel_name(name: str) -> str:
     return name.split("<")[0].replace("void ", "")
 
 
+# The sections that are one launcher table each: (file, title, what its variants are).
+LAUNCHER_SECTIONS = (
+    ("launcher_ab.json", "Launchers and metadata (each shape's rows in one run)",
+     "`jax_triton`: jax-triton's custom call with the split plan in XLA ops (the path before "
+     "the FFI launcher); `ffi_jnp` (older runs): our FFI handler, same metadata; `ffi`: our FFI "
+     "handler and the planning kernel (the defaults); `ffi_again`: the same again (an A/A: the "
+     "run's noise); `record`: the FFI handler through XLA's record stage "
+     "(`launcher=\"ffi_record\"`); `flashmla`: FlashMLA on the first variant's buffers (stream "
+     "time: one CUDA graph)."),
+    ("one_call_ab.json", "The decode kernel and its reduce as one custom call (same run)",
+     "`two`: two custom calls (`one_call=0`); `one`: one launch sequence "
+     "(`jax_mla_triton_sequence`, the default); `one_pdl`: the sequence with programmatic "
+     "dependent launch between its kernels (`pdl=1`); `flashmla`: FlashMLA on the first "
+     "variant's buffers. All through the FFI launcher with the planning kernel."),
+    ("client_ab.json", "The default PJRT client against its TFRT client (a process each)",
+     "`default_client` / `tfrt_client`: the FFI path with its defaults, the process started "
+     "without and with `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`; `flashmla_*`: FlashMLA on the "
+     "same buffers in that process (a control between the two processes)."),
+)
+
+
 def report(folder: str) -> str:
     name = os.path.basename(os.path.normpath(folder))
     parts = [f"# Results: {name}", "",
@@ -520,31 +541,10 @@ def report(folder: str) -> str:
     if ker:
         parts += ["## Kernels per call (CUPTI)", "",
                   kernels_table(ker, _load(folder, "kernels_before.json")), ""]
-    la = _load(folder, "launcher_ab.json")
-    if la:
-        parts += ["## Launchers and metadata (each shape's rows in one run)", "",
-                  "`jax_triton`: jax-triton's custom call with the split plan in XLA ops (the "
-                  "path before the FFI launcher); `ffi_jnp` (older runs): our FFI handler, same "
-                  "metadata; `ffi`: our FFI handler and the planning kernel (the defaults); "
-                  "`ffi_again`: the same again (an A/A: the run's noise); `record`: the FFI "
-                  "handler through XLA's record stage (`launcher=\"ffi_record\"`); `flashmla`: "
-                  "FlashMLA on the first variant's buffers (stream time: one CUDA graph).", "",
-                  launcher_table(la), ""]
-    one = _load(folder, "one_call_ab.json")
-    if one:
-        parts += ["## The decode kernel and its reduce as one custom call (same run)", "",
-                  "`two`: two custom calls (`one_call=0`); `one`: one launch sequence "
-                  "(`jax_mla_triton_sequence`, the default); `one_pdl`: the sequence with "
-                  "programmatic dependent launch between its kernels (`pdl=1`); `flashmla`: "
-                  "FlashMLA on the first variant's buffers. All through the FFI launcher with "
-                  "the planning kernel.", "", launcher_table(one), ""]
-    cl = _load(folder, "client_ab.json")
-    if cl:
-        parts += ["## The default PJRT client against its TFRT client (a process each)", "",
-                  "`default_client` / `tfrt_client`: the FFI path with its defaults, the "
-                  "process started without and with `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`; "
-                  "`flashmla_*`: FlashMLA on the same buffers in that process (a control "
-                  "between the two processes).", "", launcher_table(cl), ""]
+    for file, title, legend in LAUNCHER_SECTIONS:
+        rows = _load(folder, file)
+        if rows:
+            parts += [f"## {title}", "", legend, "", launcher_table(rows), ""]
     al = _load(folder, "allocators.json")
     if al:
         parts += ["## Chained calls under each PJRT allocator and client (a process each)", "",
