@@ -389,7 +389,7 @@ def test_sm90_fp8_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, pag
 # kernel's ``SPLIT_Q``), absolute. Its scores are four 8-bit wgmma products summed in one
 # accumulator. On an H100 (2026-12-07, nineteenth session) 5 of about 36 random draws went
 # above the 1e-2 held by the other fp8 paths (whose largest seen is 2.9e-3): 0.0101 and 0.0127
-# where the message was kept (median row error ~1e-4); the outputs met the bf16 bound. Why
+# where the message was kept (median row error ~1e-4; there the outputs met the bf16 bound). Why
 # (Hopper's 8-bit wgmma is said to accumulate with fewer bits than float32) is not settled:
 # benchmarks/results/h100/tried.md. Twice the largest seen; the suite's bf16 LSE bound
 # (``check``: 4e-2) holds over it.
