@@ -516,10 +516,7 @@ def stage_conformance_shards(_):
     import signal
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    collected = subprocess.run([sys.executable, *PYTEST, "--collect-only",
-                                "tests/test_conformance.py", "-k", "triton or sm90"],
-                               capture_output=True, text=True, env=env)
-    ids = [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
+    ids = _collect("tests/test_conformance.py", "triton or sm90", env)
     lib = _ffi_library()
     env.update(OUT=OUT, JAX_MLA_FFI_LIBRARY=lib, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                XLA_PYTHON_CLIENT_MEM_FRACTION=f"{min(0.2, 0.9 / CONFORMANCE_SHARDS):.3f}")
@@ -558,6 +555,13 @@ def stage_conformance_shards(_):
     for _, path, _ in procs:
         tail = [ln for ln in open(path).read().splitlines() if ln.strip()][-3:]
         log("  " + " | ".join(tail))
+
+
+def _collect(file: str, expr: str, env: dict) -> list[str]:
+    """The ids pytest collects from ``file`` with ``-k expr``, in its order."""
+    collected = subprocess.run([sys.executable, *PYTEST, "--collect-only", file, "-k", expr],
+                               capture_output=True, text=True, env=env)
+    return [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
 
 
 def junit_rows(paths, ids) -> list[dict]:
@@ -891,11 +895,7 @@ def stage_memcheck_conformance(_):
     SIGSEGV 3-5 s after starting, before pytest reported anything, at random cases that passed
     on the other machines: hence the retries, and a row keeps every try."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    ids = []
-    for file, expr in MEMCHECK_CASES:
-        collected = subprocess.run([sys.executable, *PYTEST, "--collect-only", file, "-k",
-                                    expr], capture_output=True, text=True, env=env)
-        ids += [ln.strip() for ln in collected.stdout.splitlines() if "::" in ln]
+    ids = [i for file, expr in MEMCHECK_CASES for i in _collect(file, expr, env)]
     # A rerun of some cases: ``JAX_MLA_MEMCHECK_ONLY`` names them by index in the collection
     # or by a piece of their test id (comma-separated; a piece takes every id it is in).
     only = os.environ.get("JAX_MLA_MEMCHECK_ONLY")
