@@ -351,9 +351,7 @@ def conformance_runs_table(data) -> str:
     out += [f"- {c['outcome']}: `{c['test']}`" for c in data["cases"]
             if c["outcome"] not in ("passed", "xfailed", "skipped")]
     for run in data.get("other_runs", []):
-        summary = run["summary"]
-        text = (", ".join(f"{k}: {v}" for k, v in summary.items()) if isinstance(summary, dict)
-                else str(summary))
+        text = ", ".join(f"{k}: {v}" for k, v in run["summary"].items())
         out += [f"- {run['run']}: {text}."] + [f"  - failed: `{f}`" for f in run.get("failed", [])]
     return "\n".join(out)
 
