@@ -286,6 +286,13 @@ ffi::ErrorOr<void*> GetFunction(const Driver& d, void* stream, int32_t device, c
   for (const auto& [name, function] : loaded) {
     if (name == l.name) return function;
   }
+  if (l.binary.size() == 0) {  // the call names the kernel by hash alone
+    return ffi::Unexpected(ffi::Error::Internal(
+        "jax_mla: kernel " + std::string(l.name) + " (binary hash " +
+        std::to_string(l.binary_hash) + ") is not loaded on " + DescribeDevice(d, device) +
+        " and its call carries no binary (traced with JAX_MLA_FFI_EMBED_BINARIES=0): run the "
+        "program in the process that traced it, or trace it with the binaries embedded"));
+  }
   RelaxedCapture relaxed(d.exchange_capture_mode);
   ScopedDevice scoped(d, scope, device);
   // The image must outlive the module load only; copy it (attribute storage is not ours).

@@ -314,3 +314,33 @@ def test_client_allocator_and_conformance_sections(tmp_path):
     assert "- failed: `t::test_b`" in text and "- not run: `t::test_d`" in text
     assert "`t::test_a`" not in text and "`t::test_c`" not in text
     assert "- call 2: passed: 55." in text and "  - failed: `t::test_e`" in text
+
+
+def test_anatomy_section_cuts_each_run_and_lists_the_logged_chains(tmp_path):
+    """``anatomy.json``: a row per variant, shape and chain length with the unprofiled wall and
+    enqueue time a call, the profiled run cut at the GPU (before / span / busy / after) and
+    XLA's update and graph launch before the GPU starts ("none" where no run updated); then
+    the chains with the update log, and those timed with it off."""
+    rng = np.random.default_rng()
+    wall = float(rng.uniform(10, 40))
+    row = {"call": 1, "variant": "tfrt", "shape": "1,128,1024", "n": 128,
+           "unprofiled_per_call_us": {"wall_us": wall, "enqueue_us": 1.16},
+           "profiled_per_call_us": {"before_us": 18.9, "span_us": 14.3, "busy_us": 13.5,
+                                    "after_us": 2.26},
+           "before_events_run_us": {"command_buffer::update": 3042.7, "cuGraphLaunch": 904.7},
+           "runs_with_event": {"command_buffer::update": 3, "cuGraphLaunch": 5}}
+    quiet = {**row, "variant": "no_graphs", "before_events_run_us": {}, "runs_with_event": {}}
+    logged = {"call": 4, "process": "tfrt_log", "shape": "1,16,64", "n": 128, "log": True,
+              "wall_us": 23.5, "enqueue_us": 1.2,
+              "updates": {"executions": 7, "updates": 3, "commands_updated_mean": 33.75,
+                          "stream_captures": 512}}
+    off = {**logged, "process": "tfrt", "log": False, "wall_us": 12.8}
+    (tmp_path / "anatomy.json").write_text(json.dumps(
+        {"note": "made up", "rows": [row, quiet], "chains": [logged, off]}))
+    text = report.report(str(tmp_path))
+    assert "## Where a waited run of the stream timer's chain goes" in text
+    assert (f"| 1 | tfrt | 1,128,1024 | 128 | {wall:.1f} / 1.2 | 18.9 / 14.3 / 13.5 / 2.3 | "
+            "3043 (3), 905 |") in text
+    assert "| 1 | no_graphs | 1,128,1024 | 128 |" in text and "| none, - |" in text
+    assert "| tfrt_log | 1,16,64 | 128 | 23.5 / 1.2 | 3 / 7 | 34 | 512 |" in text
+    assert "| tfrt | 1,16,64 | 128 | 12.8 / 1.2 | log off | - | - |" in text

@@ -215,3 +215,37 @@ def test_the_allocator_stage_runs_a_chain_process_per_allocator(tmp_path, monkey
     assert envs[1]["XLA_FLAGS"] == "--xla_gpu_temp_buffer_use_separate_color=true"
     assert envs[2]["XLA_PYTHON_CLIENT_ALLOCATOR"] == "cuda_async"
     assert all(e["TF_CPP_VMODULE"] == session.ALLOCATOR_VMODULE for e in envs)
+
+
+def test_the_anatomy_stage_merges_a_process_per_variant(tmp_path, monkeypatch):
+    """``anatomy``: one ``cmdbuf --anatomy`` process per variant named in
+    ``JAX_MLA_ANATOMY_VARIANTS``, with that variant's environment and command buffers kept on
+    under the profiler; their rows in one ``anatomy.json``, each naming its variant (a process
+    that wrote nothing adds no row)."""
+    from jax_mla.bench import cmdbuf
+
+    seen = []
+
+    def fake_python(args, timeout, what, **env):
+        seen.append((args, env))
+        if "JAX_MLA_FFI_EMBED_BINARIES" in env:
+            return 1  # wrote nothing
+        with open(args[args.index("--anatomy") + 1], "w") as f:
+            json.dump([{"shape": args[-1], "n": 16}], f)
+        return 0
+
+    monkeypatch.setattr(session, "OUT", str(tmp_path))
+    monkeypatch.setattr(session, "_ffi_library", lambda: "/nowhere/lib.so")
+    monkeypatch.setattr(session, "_python", fake_python)
+    monkeypatch.setenv("JAX_MLA_ANATOMY_VARIANTS", "default,no_embed,tfrt")
+    session.stage_anatomy(["8,16,4096"])
+    assert [a[:3] for a, _ in seen] == [["-m", "jax_mla.bench.cmdbuf", "--anatomy"]] * 3
+    assert all(a[3:] == [a[3], "--ns", "16,128", "--reps", "7", "8,16,4096"] for a, _ in seen)
+    envs = [env for _, env in seen]
+    assert all(e["XLA_FLAGS"] == cmdbuf.PROFILE_WITH_COMMAND_BUFFERS for e in envs)
+    assert envs[1]["JAX_MLA_FFI_EMBED_BINARIES"] == "0"
+    assert envs[2]["XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT"] == "1"
+    with open(tmp_path / "anatomy.json") as f:
+        rows = json.load(f)
+    assert rows == [{"variant": "default", "shape": "8,16,4096", "n": 16},
+                    {"variant": "tfrt", "shape": "8,16,4096", "n": 16}]

@@ -735,3 +735,47 @@ def test_chain_compiler_options_parse_booleans_integers_and_words(monkeypatch):
                        "xla_mode=SKIP_TEMP")
     assert cmdbuf.compiler_options() == {"xla_gpu_temp_buffer_use_separate_color": True,
                                          "xla_a": False, "xla_n": 16, "xla_mode": "SKIP_TEMP"}
+
+
+def test_a_runs_anatomy_cuts_its_wall_at_the_gpus_first_and_last_activity():
+    """``split_runs``: each dispatch annotation and the wait after it bound one run; the GPU's
+    activities inside it cut the run into before / span / after, with the GPU's busy time and
+    the host events overlapping each window clipped to it. A run with no GPU activity keeps its
+    wall and dispatch only; activities outside every run are not counted."""
+    from jax_mla.bench import cmdbuf
+
+    D, W = cmdbuf.DISPATCH_EVENT, cmdbuf.WAIT_EVENT
+    us = 1000
+    host = [(D, 0, 30 * us), (W, 31 * us, 200 * us), ("Execute", 5 * us, 60 * us),
+            ("Sync", 150 * us, 199 * us), ("Inside", 80 * us, 90 * us),
+            (D, 300 * us, 310 * us), (W, 311 * us, 320 * us)]
+    device = [(50 * us, 100 * us), (105 * us, 140 * us), (250 * us, 260 * us)]
+    first, second = cmdbuf.split_runs(host, device)
+    assert first["wall_us"] == 200 and first["dispatch_us"] == 30
+    assert (first["before_us"], first["span_us"], first["after_us"]) == (50, 90, 60)
+    assert first["busy_us"] == 85 and first["gpu_events"] == 2
+    assert first["before_events"] == {"Execute": 45.0}  # from its start to the GPU's
+    assert first["after_events"] == {"Sync": 49.0}
+    assert "Inside" not in first["before_events"] | first["after_events"]
+    assert second == {"wall_us": 20.0, "dispatch_us": 10.0, "gpu_events": 0}
+
+
+def test_anatomies_time_each_chain_then_trace_it(monkeypatch):
+    """``cmdbuf --anatomy`` on CPU: a row per shape and chain length, with the unprofiled wall
+    and enqueue times a call and the traced runs (no GPU activities here, so walls only)."""
+    from jax_mla.bench import cmdbuf, decode
+
+    args = (jnp.ones((1, 2, 576), jnp.bfloat16), jnp.ones(3), jnp.ones(3))
+    monkeypatch.setattr(decode, "attention_call",
+                        lambda shape, rng: (lambda q, c, m: jnp.sin(q[..., :512]) * 2, args))
+    rows = cmdbuf.anatomies(["1,16,64", "xla:1,16,64"], ns=(2, 3), reps=2)
+    assert [(r["shape"], r["n"]) for r in rows] == [("1,16,64", 2), ("1,16,64", 3),
+                                                    ("xla:1,16,64", 2), ("xla:1,16,64", 3)]
+    out = cmdbuf.xla_control(*args)  # the control's output is shaped as the attention's
+    assert out.shape == (1, 2, 512) and out.dtype == jnp.bfloat16
+    for r in rows:
+        assert r["unprofiled_per_call_us"]["wall_us"] > 0
+        assert r["unprofiled_per_call_us"]["enqueue_us"] > 0
+        assert len(r["runs"]) == 5 and all(run["gpu_events"] == 0 for run in r["runs"])
+        assert r["median"]["wall_us"] > 0 and r["clocks"]["device_events"] == 0
+        assert not r["tfrt_gpu_client"] and r["embed_binaries"]

@@ -347,13 +347,15 @@ def _gluon_fp8_case(rng, monkeypatch, num_heads, qlen, page_size):
     return case, seen
 
 
-def _check_gluon_against_tile(outs):
+def _check_gluon_against_tile(outs, lse_bound=1e-2):
     """``outs["1"]`` (the Gluon fp8 kernel's out and LSE) against ``outs["0"]`` (the Triton
-    tile's): the same rows seen, within the fp8 products' rounding."""
+    tile's): the same rows seen, within the fp8 products' rounding (the LSEs within
+    ``lse_bound``, absolute)."""
     np.testing.assert_allclose(outs["1"][0], outs["0"][0], rtol=2e-2, atol=2e-2)
     finite = np.isfinite(outs["0"][1])
     assert np.array_equal(finite, np.isfinite(outs["1"][1]))
-    assert np.max(np.abs(outs["1"][1][finite] - outs["0"][1][finite])) < 1e-2
+    err = np.abs(outs["1"][1][finite] - outs["0"][1][finite])
+    assert err.max() < lse_bound, (err.max(), np.argwhere(finite)[err.argmax()])
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton backend")
@@ -392,7 +394,10 @@ def test_sm90_fp8_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, pag
 # where the message was kept (median row error ~1e-4; there the outputs met the bf16 bound). Why
 # (Hopper's 8-bit wgmma is said to accumulate with fewer bits than float32) is not settled:
 # benchmarks/results/h100/tried.md. Twice the largest seen; the suite's bf16 LSE bound
-# (``check``: 4e-2) holds over it.
+# (``check``: 4e-2) holds over it. Against the Triton tile's LSE (itself within 1e-2 of the
+# oracle) the split path's may then differ by the sum of the two bounds: on an H100
+# (2026-12-07, twentieth session) at least 4 of 12 draws went above the 1e-2 it held,
+# up to 0.019, a float16 query among them, each with the oracle's bounds met.
 SPLIT_Q_LSE_TOL = 2.5e-2
 
 
@@ -425,7 +430,7 @@ def test_sm90_split_query_kernel_meets_the_oracle(rng, monkeypatch, num_heads, q
                                    np.argwhere(finite)[err.argmax()])
         outs[flag] = (np.asarray(out, np.float32), np.asarray(lse))
     assert seen == [True], seen  # the Gluon fp8 kernel, then the Triton tile
-    _check_gluon_against_tile(outs)
+    _check_gluon_against_tile(outs, lse_bound=SPLIT_Q_LSE_TOL + 1e-2)
     # The split made by one Triton kernel (``JAX_MLA_TRITON_SPLIT_Q_KERNEL``): the same parts,
     # so the same answer, bit for bit.
     monkeypatch.setenv("JAX_MLA_TRITON_SM90_SPLIT_Q", "1")

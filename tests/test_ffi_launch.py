@@ -471,6 +471,39 @@ def test_a_sequence_packs_each_kernels_buffers_by_index(rng, same):
 
 
 @needs_library
+def test_a_call_without_its_binaries_names_its_kernels_by_hash(rng, monkeypatch):
+    """``JAX_MLA_FFI_EMBED_BINARIES=0`` (a measurement knob) leaves the binaries out of the
+    call's attributes and keeps everything else: the hashes the handler finds the preloaded
+    kernels by, offsets that still agree (all 0), and the same parameters for the twin."""
+    ffi_launch.register(("cpu",))
+    assert ffi_launch.embed_binaries()
+    monkeypatch.setenv("JAX_MLA_FFI_EMBED_BINARIES", "0")
+    assert not ffi_launch.embed_binaries()
+    kb = _binary(2)
+    single = ffi_launch.launch_attributes(kb, (7, 3), embed=False)
+    full = ffi_launch.launch_attributes(kb, (7, 3))
+    assert single["binary"].size == 0 and full["binary"].size == len(kb.binary)
+    assert {k: v for k, v in single.items() if k != "binary"}.keys() == full.keys() - {"binary"}
+    assert single["binary_hash"] == full["binary_hash"] == kb.binary_hash
+    with jax.default_device(jax.devices("cpu")[0]):
+        _check_packing(rng, 2, single)
+    first, second = _binary(0, "x"), _binary(1, "y")
+    launches = [(first, (1,), False, (0, 2)), (second, (1,), False, (2, 3))]
+    seq = ffi_launch.sequence_attributes(launches, embed=False)
+    assert seq["binaries"].size == 0 and seq["binary_offsets"].tolist() == [0, 0, 0]
+    assert seq["binary_hashes"].tolist() == [first.binary_hash, second.binary_hash]
+    assert ffi_launch.sequence_attributes(launches)["binary_offsets"].tolist() == [
+        0, len(first.binary), len(first.binary) + len(second.binary)]
+    call = jax.ffi.ffi_call(ffi_launch.PACK_SEQUENCE_TARGET_NAME,
+                            [jax.ShapeDtypeStruct((2,), jnp.float32),
+                             jax.ShapeDtypeStruct((2,), jnp.float32),
+                             jax.ShapeDtypeStruct((5,), jnp.int32)])
+    with jax.default_device(jax.devices("cpu")[0]):
+        *_, where = jax.jit(lambda a, b: call(a, b, **seq))(jnp.ones(2), jnp.ones(2))
+    assert where.tolist() == [0, 2, 2, 3, -1]
+
+
+@needs_library
 @pytest.mark.parametrize("field, value, words", [
     ("params", np.array([0, 1, 9, 0], np.int32), "parameter index 9 is not one of the call's 4"),
     ("kernel_names", "one", "does not hold 2 names"),

@@ -188,15 +188,13 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7, profiled: bool = True)
     import time
 
     import jax
-    import numpy as np
 
     from jax_mla import env
     from jax_mla.backends.triton.launch import LAUNCHERS
     from jax_mla.bench import profile
-    from jax_mla.bench.decode import Shape, attention_call
     from jax_mla.bench.timing import chained
 
-    calls = {spec: attention_call(Shape.parse(spec), np.random.default_rng(0)) for spec in specs}
+    calls = {spec: chain_call(spec) for spec in specs}
     inside = env.read_flag("JAX_MLA_FFI_COMMAND_BUFFERS", True)
     launcher = env.read_choice("JAX_MLA_TRITON_LAUNCHER", LAUNCHERS, "auto")
     initialize = env.read_flag("JAX_MLA_FFI_INITIALIZE_STAGE", False)
@@ -246,44 +244,233 @@ def host_events(fn, args, n: int, executions: int = 3, top: int = 30) -> dict:
     thunks executed, recorded or updated, stream captures, launches) summed over the host
     planes, divided by ``executions * n``, the ``top`` largest in microseconds. The trace runs
     CUPTI on a GPU, which slows each driver call: compare names, not absolute times."""
-    import glob
-    import tempfile
-
     import jax
-    from jax.profiler import ProfileData
 
     from jax_mla.bench.timing import chained
 
     many = chained(fn, n)
     jax.block_until_ready(many(*args))
-    with tempfile.TemporaryDirectory(prefix="jax_mla_trace_") as d:
-        with jax.profiler.trace(d):
-            for _ in range(executions):
-                jax.block_until_ready(many(*args))
-        [path] = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        data = ProfileData.from_file(path)
-        total: dict[str, float] = {}
-        for plane in data.planes:
-            if not plane.name.startswith("/host"):
-                continue
-            for line in plane.lines:
-                for ev in line.events:
-                    total[ev.name] = total.get(ev.name, 0.0) + ev.duration_ns
+
+    def run():
+        for _ in range(executions):
+            jax.block_until_ready(many(*args))
+
+    total: dict[str, float] = {}
+    for name, start, end in _host_events(_xplane(run)):
+        total[name] = total.get(name, 0.0) + (end - start)
     per = {k: v / 1e3 / (executions * n) for k, v in total.items()}
     return dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
 
 
+def _xplane(run):
+    """``run()`` under ``jax.profiler`` with XLA's host annotations at their most detailed
+    (``host_tracer_level=3``); the profile as ``ProfileData``."""
+    import jax
+    from jax.profiler import ProfileData
+
+    options = jax.profiler.ProfileOptions()
+    options.host_tracer_level = 3
+    with tempfile.TemporaryDirectory(prefix="jax_mla_trace_") as d:
+        with jax.profiler.trace(d, profiler_options=options):
+            run()
+        [path] = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        return ProfileData.from_file(path)
+
+
+# The host annotations that bound each timed run of :func:`anatomy`.
+DISPATCH_EVENT, WAIT_EVENT = "jax_mla_anatomy_dispatch", "jax_mla_anatomy_wait"
+
+
+def _device_events(data) -> list[tuple[int, int]]:
+    """``(start_ns, end_ns)`` of every GPU activity (kernels, memsets, memcpys) in a profile,
+    from its device planes' stream lines (all their lines where none is named by stream)."""
+    spans = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        lines = list(plane.lines)
+        streams = [ln for ln in lines if ln.name.startswith("Stream")] or lines
+        for line in streams:
+            spans.extend((ev.start_ns, ev.start_ns + ev.duration_ns) for ev in line.events)
+    return sorted(spans)
+
+
+def _host_events(data) -> list[tuple[str, int, int]]:
+    """``(name, start_ns, end_ns)`` of every host event (every thread of the host planes)."""
+    return [(ev.name, ev.start_ns, ev.start_ns + ev.duration_ns)
+            for plane in data.planes if plane.name.startswith("/host")
+            for line in plane.lines for ev in line.events]
+
+
+def split_runs(host, device, top: int = 12) -> list[dict]:
+    """Each timed run of :func:`anatomy` from its profile's events (``_host_events``,
+    ``_device_events``): the run is the host's time from the start of :data:`DISPATCH_EVENT`
+    to the end of :data:`WAIT_EVENT` that follows it, cut at the GPU's first and last activity
+    inside it into *before* (dispatch until the GPU starts), *span* (the GPU's first start to
+    its last end), *after* (the GPU's last end until the wait returns); *busy*, the GPU's
+    activities summed (span minus busy is the GPU idle inside the run); *dispatch*, the host's
+    dispatch call alone. ``before_events`` and ``after_events``: the host events (every
+    thread) overlapping each window, by name, their time clipped to it, the ``top`` largest;
+    nested events each count, so compare names, not sums. Microseconds."""
+    dispatches = sorted((s, e) for n, s, e in host if n == DISPATCH_EVENT)
+    waits = sorted((s, e) for n, s, e in host if n == WAIT_EVENT)
+    runs = []
+    for d0, d1 in dispatches:
+        w = next(((s, e) for s, e in waits if s >= d1), None)
+        if w is None:
+            continue
+        t_end = w[1]
+        inside = [(s, e) for s, e in device if s >= d0 and e <= t_end]
+        if not inside:
+            runs.append({"wall_us": (t_end - d0) / 1e3, "dispatch_us": (d1 - d0) / 1e3,
+                         "gpu_events": 0})
+            continue
+        g0, g1 = inside[0][0], max(e for _, e in inside)
+
+        def overlapping(a, b):
+            by: dict[str, float] = {}
+            for name, s, e in host:
+                if name in (DISPATCH_EVENT, WAIT_EVENT):
+                    continue
+                cut = min(e, b) - max(s, a)
+                if cut > 0:
+                    by[name] = by.get(name, 0.0) + cut / 1e3
+            return dict(sorted(by.items(), key=lambda kv: -kv[1])[:top])
+
+        runs.append({"wall_us": (t_end - d0) / 1e3, "dispatch_us": (d1 - d0) / 1e3,
+                     "before_us": (g0 - d0) / 1e3, "span_us": (g1 - g0) / 1e3,
+                     "after_us": (t_end - g1) / 1e3,
+                     "busy_us": sum(e - s for s, e in inside) / 1e3, "gpu_events": len(inside),
+                     "before_events": overlapping(d0, g0), "after_events": overlapping(g1, t_end)})
+    return runs
+
+
+def anatomy(many, args, n: int, runs: int = 5) -> dict:
+    """Where one timed run of the stream timer's chain (``many = timing.chained(fn, n)``,
+    compiled, dispatched and waited for as ``timing.device_time`` times it) spends its wall
+    time, from a ``jax.profiler`` trace of ``runs`` such runs (host annotations and the GPU's
+    activities on one clock): :func:`split_runs` per run, and the median run's figures. A
+    stream time above the kernels' is then *before* (the host's dispatch and XLA's work until
+    the GPU starts), the GPU's own idle inside *span*, or *after* (the GPU done, the host not
+    yet told). The process must keep command buffers on under the profiler
+    (:data:`PROFILE_WITH_COMMAND_BUFFERS`), or XLA runs their thunks one by one."""
+    import statistics
+
+    import jax
+
+    def run():
+        for _ in range(runs):
+            with jax.profiler.TraceAnnotation(DISPATCH_EVENT):
+                out = many(*args)
+            with jax.profiler.TraceAnnotation(WAIT_EVENT):
+                jax.block_until_ready(out)
+
+    data = _xplane(run)
+    host, device = _host_events(data), _device_events(data)
+    rows = split_runs(host, device)
+    keys = ("wall_us", "dispatch_us", "before_us", "span_us", "after_us", "busy_us")
+    median = {k: statistics.median(r[k] for r in rows) for k in keys
+              if rows and all(k in r for r in rows)}
+    # Both clocks' extent: GPU activities outside every run would mean two time bases.
+    clocks = {"host_ns": [min(s for _, s, _ in host), max(e for *_, e in host)] if host else None,
+              "device_ns": [device[0][0], max(e for _, e in device)] if device else None,
+              "device_events": len(device)}
+    return {"n": n, "runs": rows, "median": median,
+            "per_call_us": {k: v / n for k, v in median.items()}, "clocks": clocks}
+
+
+def xla_control(q, cache, md):
+    """The control of :func:`anatomies`: one XLA fusion in place of the attention call, on the
+    same arguments, its output shaped like the attention's (so the timer feeds it the same
+    way, with the same kernels of its own): what XLA's own op costs the chain on the host."""
+    del cache, md
+    import jax.numpy as jnp
+
+    return jnp.tanh(q[..., :512].astype(jnp.float32)).astype(q.dtype)
+
+
+def chain_call(spec: str):
+    """``(fn, args)`` for a bench shape spec: the attention call on fresh inputs, or for
+    ``xla:SHAPE`` :func:`xla_control` on that shape's arguments."""
+    import numpy as np
+
+    from jax_mla.bench.decode import Shape, attention_call
+
+    fn, args = attention_call(Shape.parse(spec.removeprefix("xla:")), np.random.default_rng(0))
+    return (xla_control if spec.startswith("xla:") else fn), args
+
+
+def anatomies(specs, ns=(16, 128), reps: int = 7) -> list[dict]:
+    """For each shape of ``specs`` and chain length of ``ns``: the chain's wall and host
+    enqueue time a call with no profiler loaded (median of ``reps``, every chain timed before
+    the first trace: CUPTI's callbacks slow the host), then its :func:`anatomy` under the
+    profiler; the process's client and knobs named in each row. A spec ``xla:SHAPE`` chains
+    :func:`xla_control` on that shape's arguments instead of the attention call."""
+    import statistics
+    import time
+
+    import jax
+
+    from jax_mla.bench.timing import chained
+
+    chains = []
+    for spec in specs:
+        fn, args = chain_call(spec)
+        for n in ns:
+            many = chained(fn, n)
+            jax.block_until_ready(many(*args))
+            walls, enqueues = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                out = many(*args)
+                t1 = time.perf_counter()
+                jax.block_until_ready(out)
+                walls.append(time.perf_counter() - t0)
+                enqueues.append(t1 - t0)
+            chains.append((spec, n, many, args, {
+                "wall_us": statistics.median(walls) / n * 1e6,
+                "enqueue_us": statistics.median(enqueues) / n * 1e6}))
+    rows = []
+    for spec, n, many, args, unprofiled in chains:
+        row = {"shape": spec, "tfrt_gpu_client": os.environ.get(
+                   "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "0") == "1",
+               "embed_binaries": os.environ.get("JAX_MLA_FFI_EMBED_BINARIES", "1") != "0",
+               "unprofiled_per_call_us": unprofiled, **anatomy(many, args, n)}
+        print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _take_ns(argv, default):
+    """``--ns 16,128`` out of ``argv`` (in place): the chain lengths, or ``default``."""
+    if "--ns" not in argv:
+        return default
+    i = argv.index("--ns")
+    ns = tuple(int(n) for n in argv[i + 1].split(","))
+    del argv[i:i + 2]
+    return ns
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--anatomy":
+        # ``--anatomy OUT.json [--ns 16,128] [--reps 7] [SHAPE ...]``: :func:`anatomies`.
+        ns = _take_ns(argv, (16, 128))
+        reps = 7
+        if "--reps" in argv:
+            i = argv.index("--reps")
+            reps = int(argv[i + 1])
+            del argv[i:i + 2]
+        rows = anatomies(argv[2:] or ["1,128,1024", "8,16,4096"], ns, reps)
+        with open(argv[1], "w") as f:
+            json.dump(rows, f, indent=1)
+        return 0
     if argv and argv[0] == "--chains":
         # ``--ns 16,128``: those chain lengths only; ``--no-profile``: no CUPTI pass (walls,
         # enqueue times and XLA's update log only).
-        ns, profiled = CHAIN_LENGTHS, "--no-profile" not in argv
+        profiled = "--no-profile" not in argv
         argv = [a for a in argv if a != "--no-profile"]
-        if "--ns" in argv:
-            i = argv.index("--ns")
-            ns = tuple(int(n) for n in argv[i + 1].split(","))
-            del argv[i:i + 2]
+        ns = _take_ns(argv, CHAIN_LENGTHS)
         out_path, specs = argv[1], argv[2:] or ["1,16,1024", "32,16,4096"]
         rows = chain_lengths(specs, ns, profiled=profiled)
         with open(out_path, "w") as f:

@@ -14,11 +14,12 @@ session on an earlier tree, for a before/after table), ``kernels.json`` and ``ke
 ``planner.json``, ``latency_ab.json``, ``conformance.json``
 (the GPU test summary), ``conformance_ffi.json`` (one case a row), ``client_ab.json`` (the
 default PJRT client against its TFRT client), ``allocators.json`` (chained calls and XLA's
-command-buffer updates under each allocator), and ``tried.md`` (what was measured and kept or
-dropped, in words), and writes ``RESULTS.md`` next to them. Ratios are against the device's
-reference ceilings (docs/design.md §10.4: the H200's 4.27 TB/s copy and 790 TFLOP/s bf16
-matmul); the bench's own in-run probes are shown beside them, since they move with the GPU's
-clocks from run to run.
+command-buffer updates under each allocator), ``anatomy.json`` (a waited run of the stream
+timer's chain cut at the GPU's first and last activity, per client and knob), and
+``tried.md`` (what was measured and kept or dropped, in words), and writes ``RESULTS.md``
+next to them. Ratios are against the device's reference ceilings (docs/design.md §10.4: the
+H200's 4.27 TB/s copy and 790 TFLOP/s bf16 matmul); the bench's own in-run probes are shown
+beside them, since they move with the GPU's clocks from run to run.
 """
 
 from __future__ import annotations
@@ -342,6 +343,42 @@ def allocators_table(data) -> str:
     return "\n".join(out)
 
 
+def anatomy_table(data) -> str:
+    """``anatomy.json`` (the session's ``anatomy`` stage, curated): per variant, shape and
+    chain length, the chain's wall and enqueue time a call without a profiler, and under one
+    where a waited run's time goes (host until the GPU starts, the GPU's span and busy time,
+    the GPU done until the wait returns) with XLA's update and graph launch before the GPU
+    starts; then the chains timed with XLA's update log (``chains``)."""
+    out = [data.get("note", ""), "",
+           "| call | variant | shape | calls chained | wall / enqueue µs a call | profiled: "
+           "before / span / busy / after µs a call | XLA's update, graph launch µs a run "
+           "(runs) |", "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        u, p = r["unprofiled_per_call_us"], r["profiled_per_call_us"]
+        ev, runs = r.get("before_events_run_us", {}), r.get("runs_with_event", {})
+        update = (f"{_f(ev['command_buffer::update'], 0)} ({runs['command_buffer::update']})"
+                  if "command_buffer::update" in ev else "none")
+        launch = next((f"{_f(ev[k], 0)}" for k in ("cuGraphLaunch", "command_buffer::execute")
+                       if k in ev), "-")
+        out.append(f"| {r['call']} | {r['variant']} | {r['shape']} | {r['n']} | "
+                   f"{_f(u['wall_us'])} / {_f(u['enqueue_us'])} | "
+                   f"{_f(p.get('before_us'))} / {_f(p.get('span_us'))} / "
+                   f"{_f(p.get('busy_us'))} / {_f(p.get('after_us'))} | {update}, {launch} |")
+    chains = data.get("chains") or []
+    if chains:
+        out += ["", "| process | shape | calls chained | wall / enqueue µs a call | updates / "
+                "runs | commands updated | stream captures |", "|---|---|---|---|---|---|---|"]
+        for c in chains:
+            u = c["updates"]
+            out.append(f"| {c['process']} | {c['shape']} | {c['n']} | {_f(c['wall_us'])} / "
+                       f"{_f(c['enqueue_us'])} | "
+                       + (f"{u.get('updates', 0)} / {u.get('executions', 0)} | "
+                          f"{_f(u.get('commands_updated_mean'), 0)} | "
+                          f"{u.get('stream_captures', 0)} |" if c.get("log") else
+                          "log off | - | - |"))
+    return "\n".join(out)
+
+
 def conformance_runs_table(data) -> str:
     """``conformance_ffi.json`` (the ``conformance_shards`` stage): the run's outcomes by count,
     each case that did not pass, and the other runs' summaries and failures."""
@@ -543,6 +580,10 @@ def report(folder: str) -> str:
         rows = _load(folder, file)
         if rows:
             parts += [f"## {title}", "", legend, "", launcher_table(rows), ""]
+    an = _load(folder, "anatomy.json")
+    if an:
+        parts += ["## Where a waited run of the stream timer's chain goes (host and GPU on "
+                  "one clock)", "", anatomy_table(an), ""]
     al = _load(folder, "allocators.json")
     if al:
         parts += ["## Chained calls under each PJRT allocator and client (a process each)", "",

@@ -45,6 +45,9 @@ stages run its ``tests/``). A stage that fails is logged and the next one runs. 
   the same kernel on made query parts whose answers are known (``jax_mla.bench.split_probe``).
 - ``allocators``: chained calls' wall time and XLA's command-buffer updates under each of the
   PJRT client's allocators (:data:`ALLOCATORS`), a process each, into ``alloc_<name>.json``.
+- ``anatomy``: where a waited run of the stream timer's chain spends its wall time (the host
+  until the GPU starts, the GPU's span and idle, the GPU done until the wait returns, with the
+  host's events in each window), under :data:`ANATOMY_VARIANTS`, into ``anatomy.json``.
 - ``update_modes``: the FFI path's two timers under each command-buffer update mode the
   installed XLA knows (``--xla_gpu_command_buffer_update_mode``), into ``update_mode_*.json``.
 - ``launcher``: the A/B of :data:`LAUNCHER_VARIANTS` (jax-triton with XLA-op metadata, FFI
@@ -821,6 +824,48 @@ def stage_allocators(shapes):
                  "--ns", "16,128", "--no-profile", *(shapes or ALLOCATOR_SHAPES)], 120,
                 f"allocator {name}", JAX_MLA_FFI_LIBRARY=lib, TF_CPP_MIN_LOG_LEVEL="0",
                 TF_CPP_VMODULE=ALLOCATOR_VMODULE, **ALLOCATORS[name])
+
+
+# Where a waited run of the stream timer's chain spends its wall time (``cmdbuf --anatomy``),
+# under the default client and the TFRT one, each with the kernels' binaries in the custom
+# calls' attributes (the default) and without them (named by hash; a measurement knob).
+ANATOMY_VARIANTS = {"default": {},
+                    "no_embed": {"JAX_MLA_FFI_EMBED_BINARIES": "0"},
+                    "tfrt": {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"},
+                    "tfrt_no_embed": {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
+                                      "JAX_MLA_FFI_EMBED_BINARIES": "0"},
+                    "record": {"JAX_MLA_TRITON_LAUNCHER": "ffi_record"},
+                    "no_graphs": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+                    "no_graphs_no_embed": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=",
+                                           "JAX_MLA_FFI_EMBED_BINARIES": "0"}}
+ANATOMY_SHAPES = ("1,128,1024", "8,16,4096")
+ANATOMY_NS = os.environ.get("JAX_MLA_ANATOMY_NS", "16,128")  # chain lengths
+ANATOMY_REPS = int(os.environ.get("JAX_MLA_ANATOMY_REPS", 7))  # unprofiled timings a chain
+
+
+def stage_anatomy(shapes):
+    """:data:`ANATOMY_VARIANTS` (``JAX_MLA_ANATOMY_VARIANTS`` picks some), a process each
+    (``python -m jax_mla.bench.cmdbuf --anatomy``, chains of :data:`ANATOMY_NS` calls, command
+    buffers kept on under the profiler), at :data:`ANATOMY_SHAPES` (or the shapes after
+    ``--``): every row, its variant named, into ``anatomy.json``."""
+    from jax_mla.bench import cmdbuf
+
+    names = os.environ.get("JAX_MLA_ANATOMY_VARIANTS", ",".join(ANATOMY_VARIANTS)).split(",")
+    lib = _ffi_library()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jax_mla_anatomy_") as d:
+        for name in names:
+            path = os.path.join(d, f"{name}.json")
+            _python(["-m", "jax_mla.bench.cmdbuf", "--anatomy", path, "--ns", ANATOMY_NS,
+                     "--reps", str(ANATOMY_REPS), *(shapes or ANATOMY_SHAPES)], 120,
+                    f"anatomy {name}",
+                    JAX_MLA_FFI_LIBRARY=lib,
+                    **{"XLA_FLAGS": cmdbuf.PROFILE_WITH_COMMAND_BUFFERS, **ANATOMY_VARIANTS[name]})
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows.extend({"variant": name, **row} for row in json.load(f))
+    with open(os.path.join(OUT, "anatomy.json"), "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 # XLA's ways of keeping a command buffer's addresses (``--xla_gpu_command_buffer_update_mode``):

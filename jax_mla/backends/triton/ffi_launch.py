@@ -607,17 +607,32 @@ def preload_on_devices(platform: str, key: tuple, load) -> None:
             load(ordinal)
 
 
-def launch_attributes(kb: KernelBinary, grid, pdl: bool = False) -> dict:
+def embed_binaries() -> bool:
+    """Whether a custom call carries its kernels' binaries (the default: the compiled program
+    needs nothing from the process that traced it). ``JAX_MLA_FFI_EMBED_BINARIES=0`` (a
+    measurement knob, read at trace time) leaves them out: the call names each kernel by its
+    binary hash alone, the handler finds it among those :func:`preload` loaded, and a program
+    run where they were not loaded (an executable from a compilation cache) fails at its first
+    call saying so. The record target always carries them (XLA loads the cubin itself)."""
+    return env.read_flag("JAX_MLA_FFI_EMBED_BINARIES", True)
+
+
+def _image(kb: KernelBinary, embed: bool) -> bytes:
+    return kb.binary if embed else b""
+
+
+def launch_attributes(kb: KernelBinary, grid, pdl: bool = False, embed: bool = True) -> dict:
     """The custom call's static attributes for launching ``kb`` on ``grid``; ``pdl``: launch it
     with programmatic dependent launch (CUDA: it may start while its predecessor on the stream
     finishes, so the kernel must wait for it, ``griddepcontrol.wait``, before touching memory;
-    ROCm ignores it)."""
+    ROCm ignores it); ``embed``: the binary itself in the attributes, else an empty one
+    (:func:`embed_binaries`)."""
     grid = tuple(int(g) for g in grid)
     if not 1 <= len(grid) <= 3 or any(g < 0 or g >= 2**31 for g in grid):
         raise ValueError(f"grid {grid} must be 1 to 3 non-negative 32-bit sizes")
     gx, gy, gz = grid + (1,) * (3 - len(grid))
     i32 = np.int32
-    return dict(kernel_name=kb.name, binary=np.frombuffer(kb.binary, np.uint8),
+    return dict(kernel_name=kb.name, binary=np.frombuffer(_image(kb, embed), np.uint8),
                 binary_hash=np.int64(kb.binary_hash), grid_x=i32(gx), grid_y=i32(gy),
                 grid_z=i32(gz), block_threads=i32(kb.threads), shared_bytes=i32(kb.shared),
                 hidden_params=i32(kb.hidden_params), target=kb.target, pdl=i32(bool(pdl)))
@@ -652,7 +667,8 @@ def launch(kernel, arrays, *, grid, out_shapes, target: Target, input_output_ali
                             input_output_aliases=dict(input_output_aliases or {}))
     # A kernel compiled to wait on its predecessor (the ``PDL`` constexpr of jax_mla's kernels)
     # is the one that may be launched ahead of it.
-    outs = call(*arrays, **launch_attributes(kb, grid, pdl=bool(constexprs.get("PDL", False))))
+    outs = call(*arrays, **launch_attributes(kb, grid, pdl=bool(constexprs.get("PDL", False)),
+                                             embed=name == RECORD_TARGET_NAME or embed_binaries()))
     return tuple(outs)
 
 
@@ -703,23 +719,25 @@ def check_sequence(steps, n_arrays: int, n_results: int) -> None:
                          "are written by no step")
 
 
-def sequence_attributes(launches) -> dict:
+def sequence_attributes(launches, embed: bool = True) -> dict:
     """The sequence call's static attributes for ``launches``, ``(KernelBinary, grid, pdl,
     params)`` each, in order (``ffi/triton_launch.cc``, ``Sequence``): per-kernel arrays, the
-    names joined by ``,``, the binaries concatenated with their offsets, the parameters' buffer
-    indices concatenated with theirs."""
+    names joined by ``,``, the binaries concatenated with their offsets (``embed=False``: none,
+    every offset 0; :func:`embed_binaries`), the parameters' buffer indices concatenated with
+    theirs."""
     if not launches:
         raise ValueError("a launch sequence needs at least one kernel")
     singles = [launch_attributes(kb, grid, pdl) for kb, grid, pdl, _ in launches]
     names = [kb.name for kb, *_ in launches]
     if any("," in n or not n for n in names):
         raise ValueError(f"kernel names {names} must be non-empty and free of ','")
-    sizes = [len(kb.binary) for kb, *_ in launches]
+    images = [_image(kb, embed) for kb, *_ in launches]
+    sizes = [len(image) for image in images]
     counts = [len(params) for *_, params in launches]
     i32 = np.int32
     return dict(
         kernel_names=",".join(names),
-        binaries=np.frombuffer(b"".join(kb.binary for kb, *_ in launches), np.uint8),
+        binaries=np.frombuffer(b"".join(images), np.uint8),
         binary_offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
         binary_hashes=np.array([kb.binary_hash for kb, *_ in launches], np.int64),
         grids=np.array([[a["grid_x"], a["grid_y"], a["grid_z"]] for a in singles], i32).ravel(),
@@ -756,4 +774,4 @@ def launch_sequence(steps, arrays, *, out_shapes, target: Target) -> tuple:
         preload(kb, target)
         launches.append((kb, step.grid, bool(step.constexprs.get("PDL", False)), params))
     call = jax.ffi.ffi_call(SEQUENCE_TARGET_NAME, out_shapes)
-    return tuple(call(*arrays, **sequence_attributes(launches)))
+    return tuple(call(*arrays, **sequence_attributes(launches, embed=embed_binaries())))
