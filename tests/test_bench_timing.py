@@ -779,3 +779,23 @@ def test_anatomies_time_each_chain_then_trace_it(monkeypatch):
         assert len(r["runs"]) == 5 and all(run["gpu_events"] == 0 for run in r["runs"])
         assert r["median"]["wall_us"] > 0 and r["clocks"]["device_events"] == 0
         assert not r["tfrt_gpu_client"] and r["embed_binaries"]
+
+
+def test_cmdbuf_command_lines_take_their_options_anywhere(tmp_path, monkeypatch):
+    """``cmdbuf --anatomy`` and ``--chains``: ``--ns`` and ``--reps`` (and ``--no-profile``)
+    are taken out wherever they stand, the rest being the output path and the shapes; absent,
+    the defaults."""
+    from jax_mla.bench import cmdbuf
+
+    seen = []
+    monkeypatch.setattr(cmdbuf, "anatomies", lambda specs, ns, reps: seen.append(
+        ("anatomy", specs, ns, reps)) or [])
+    monkeypatch.setattr(cmdbuf, "chain_lengths", lambda specs, ns, profiled: seen.append(
+        ("chains", specs, ns, profiled)) or [])
+    out = str(tmp_path / "o.json")
+    cmdbuf.main(["--anatomy", out, "1,16,64", "--reps", "21", "--ns", "128", "xla:1,16,64"])
+    cmdbuf.main(["--anatomy", out])
+    cmdbuf.main(["--chains", out, "--no-profile", "--ns", "16,128", "8,16,4096"])
+    assert seen == [("anatomy", ["1,16,64", "xla:1,16,64"], (128,), 21),
+                    ("anatomy", ["1,128,1024", "8,16,4096"], (16, 128), 7),
+                    ("chains", ["8,16,4096"], (16, 128), False)]

@@ -174,6 +174,26 @@ def compiler_options() -> dict:
     return options
 
 
+def chain_walls(many, args, n: int, reps: int) -> tuple[float, float]:
+    """Microseconds a call of the compiled chain ``many`` of ``n`` calls, median of ``reps``
+    runs each dispatched and waited for: the wall time (dispatch to sync), and the host's
+    time to enqueue the run (the dispatch's return)."""
+    import statistics
+    import time
+
+    import jax
+
+    walls, enqueues = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = many(*args)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        walls.append(time.perf_counter() - t0)
+        enqueues.append(t1 - t0)
+    return statistics.median(walls) / n * 1e6, statistics.median(enqueues) / n * 1e6
+
+
 def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7, profiled: bool = True) -> list[dict]:
     """Where a chained call's wall time goes, per shape of ``specs`` and chain length ``n`` (one
     program of ``n`` dependent calls, as the stream timer builds it): wall per call (dispatch to
@@ -184,8 +204,6 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7, profiled: bool = True)
     enqueue time means the host bounds the chain; wall near the span means the GPU does. Every
     wall time is taken before CUPTI loads: its callbacks slow the host. ``profiled=False``
     leaves CUPTI out (no span, launches or host events)."""
-    import statistics
-    import time
 
     import jax
 
@@ -206,15 +224,8 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7, profiled: bool = True)
             if options:  # this program alone compiled with them, not the process
                 many = many.lower(*args).compile(compiler_options=options)
             jax.block_until_ready(many(*args))
-            walls, enqueues = [], []
             with captured_stderr() as log:
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    out = many(*args)
-                    t1 = time.perf_counter()
-                    jax.block_until_ready(out)
-                    walls.append(time.perf_counter() - t0)
-                    enqueues.append(t1 - t0)
+                wall, enqueue = chain_walls(many, args, n, reps)
             rows.append({"shape": spec, "n": n, "launcher": launcher,
                          "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
                          "tfrt_gpu_client": os.environ.get(
@@ -223,8 +234,7 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7, profiled: bool = True)
                          "compiler_options": options,
                          "ffi_command_buffers": inside,
                          "ffi_initialize_stage": initialize,
-                         "wall_us": statistics.median(walls) / n * 1e6,
-                         "enqueue_us": statistics.median(enqueues) / n * 1e6,
+                         "wall_us": wall, "enqueue_us": enqueue,
                          "updates": update_summary(log[0])})
     if profiled and profile.available():
         for row in rows:
@@ -406,8 +416,6 @@ def anatomies(specs, ns=(16, 128), reps: int = 7) -> list[dict]:
     the first trace: CUPTI's callbacks slow the host), then its :func:`anatomy` under the
     profiler; the process's client and knobs named in each row. A spec ``xla:SHAPE`` chains
     :func:`xla_control` on that shape's arguments instead of the attention call."""
-    import statistics
-    import time
 
     import jax
 
@@ -419,17 +427,8 @@ def anatomies(specs, ns=(16, 128), reps: int = 7) -> list[dict]:
         for n in ns:
             many = chained(fn, n)
             jax.block_until_ready(many(*args))
-            walls, enqueues = [], []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                out = many(*args)
-                t1 = time.perf_counter()
-                jax.block_until_ready(out)
-                walls.append(time.perf_counter() - t0)
-                enqueues.append(t1 - t0)
-            chains.append((spec, n, many, args, {
-                "wall_us": statistics.median(walls) / n * 1e6,
-                "enqueue_us": statistics.median(enqueues) / n * 1e6}))
+            wall, enqueue = chain_walls(many, args, n, reps)
+            chains.append((spec, n, many, args, {"wall_us": wall, "enqueue_us": enqueue}))
     rows = []
     for spec, n, many, args, unprofiled in chains:
         row = {"shape": spec, "tfrt_gpu_client": os.environ.get(
@@ -441,26 +440,26 @@ def anatomies(specs, ns=(16, 128), reps: int = 7) -> list[dict]:
     return rows
 
 
-def _take_ns(argv, default):
-    """``--ns 16,128`` out of ``argv`` (in place): the chain lengths, or ``default``."""
-    if "--ns" not in argv:
+def _take_option(argv, flag: str, default, parse):
+    """``flag VALUE`` out of ``argv`` (in place): ``parse(VALUE)``, or ``default``."""
+    if flag not in argv:
         return default
-    i = argv.index("--ns")
-    ns = tuple(int(n) for n in argv[i + 1].split(","))
+    i = argv.index(flag)
+    value = parse(argv[i + 1])
     del argv[i:i + 2]
-    return ns
+    return value
+
+
+def _ns(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in text.split(","))
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--anatomy":
         # ``--anatomy OUT.json [--ns 16,128] [--reps 7] [SHAPE ...]``: :func:`anatomies`.
-        ns = _take_ns(argv, (16, 128))
-        reps = 7
-        if "--reps" in argv:
-            i = argv.index("--reps")
-            reps = int(argv[i + 1])
-            del argv[i:i + 2]
+        ns = _take_option(argv, "--ns", (16, 128), _ns)
+        reps = _take_option(argv, "--reps", 7, int)
         rows = anatomies(argv[2:] or ["1,128,1024", "8,16,4096"], ns, reps)
         with open(argv[1], "w") as f:
             json.dump(rows, f, indent=1)
@@ -470,7 +469,7 @@ def main(argv=None) -> int:
         # enqueue times and XLA's update log only).
         profiled = "--no-profile" not in argv
         argv = [a for a in argv if a != "--no-profile"]
-        ns = _take_ns(argv, CHAIN_LENGTHS)
+        ns = _take_option(argv, "--ns", CHAIN_LENGTHS, _ns)
         out_path, specs = argv[1], argv[2:] or ["1,16,1024", "32,16,4096"]
         rows = chain_lengths(specs, ns, profiled=profiled)
         with open(out_path, "w") as f:
