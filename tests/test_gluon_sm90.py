@@ -394,3 +394,21 @@ def test_split_probe_variants_have_the_answers_they_claim(rng):
         assert np.max(np.abs(got - want[name])) <= tol, name
         first_zero = not np.any(vp[..., :576])
         assert first_zero == name.startswith("zero_"), name
+
+
+def test_split_probe_refuses_a_plan_without_the_gluon_kernel(rng):
+    """``bench.split_probe`` plans its step for the Gluon fp8 kernel with the split forced and
+    stops, saying so, where the plan takes another kernel (here, off Hopper): its first run had
+    planned without the dtypes, and nothing it swapped in reached the kernel."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jax_mla.bench.decode import Shape, make_inputs
+    from jax_mla.bench.split_probe import CASES, split_metadata
+
+    shape = dataclasses.replace(Shape.parse(CASES[0]), varlen=True)
+    qb, kv, table, lens, _ = make_inputs(shape, rng)
+    assert kv.dtype == jnp.float8_e4m3fn and qb.dtype == jnp.bfloat16
+    with pytest.raises(SystemExit, match="not the Gluon fp8 kernel"):
+        split_metadata(table, lens, shape, qb.dtype, kv.dtype)

@@ -16,7 +16,15 @@ answer is known, so that one run says which read or which value goes wrong:
 - ``real_acc2``: the parts as made, the low part's products summed apart and then added
   (``SPLIT_ACC``; the oracle's answer).
 
-It also checks that the parts come back as the query on the device (``s (hi + lo)``).
+It also checks that the parts come back as the query on the device (``s (hi + lo)``), and
+records each variant's LSE error against the oracle's (the question the split path's LSE bound
+left open: whether summing the parts' products apart, ``real_acc2``, brings it down).
+
+The step is planned for the Gluon fp8 kernel with the split (its dtypes and heads given, the
+split forced), and each variant must reach it: its split function traced at least once, else
+the probe stops with an error instead of writing rows. (Its first run, on 2026-12-06, planned
+without the dtypes, and every variant gave the same answer to the last digit: nothing it
+swapped in had reached the kernel.)
 ``python -m jax_mla.bench.split_probe [OUT.json]`` (a GPU with the Gluon fp8 kernel).
 """
 
@@ -62,12 +70,28 @@ def _variants(split):
 EXTRA_CONSTEXPRS = {"real_acc2": {"SPLIT_ACC": True}}  # the kernel's variant, by name
 
 
+def split_metadata(table, lens, shape, q_dtype, kv_dtype):
+    """The step's metadata planned for the Gluon fp8 kernel with the query split (forced),
+    or a clear error where the plan takes another kernel (off Hopper, or a route that changed):
+    the probe means nothing unless its parts reach that kernel."""
+    import jax_mla
+    from jax_mla.backends.triton import TritonTuning
+
+    md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page, qlen=shape.qlen,
+                                       num_heads=shape.heads, q_dtype=q_dtype,
+                                       kv_dtype=kv_dtype, backend="triton",
+                                       tuning=TritonTuning(sm90_split_q=True))
+    if not md.plan.kernel.sm90:
+        raise SystemExit(f"split probe: the plan for {shape.name} takes {md.plan.kernel}, not "
+                         "the Gluon fp8 kernel (it needs a Hopper GPU)")
+    return md
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     import dataclasses
 
     import jax_mla
-    from jax_mla.backends.triton import TritonTuning
     from jax_mla.backends.triton import decode as tdecode
     from jax_mla.bench.decode import DEEPSEEK_SCALE, Shape, make_inputs
     from jax_mla.testing import numpy_mla_decode, rel_err
@@ -81,30 +105,37 @@ def main(argv=None) -> int:
             shape = dataclasses.replace(Shape.parse(spec), varlen=True)
             qb, kv, table, lens, kv_scale = make_inputs(shape, rng)
             qf = np.asarray(qb, np.float32)
-            want, _ = numpy_mla_decode(qf, np.asarray(kv, np.float32) * float(kv_scale), table,
-                                       lens, qlen=shape.qlen, scale=DEEPSEEK_SCALE,
-                                       kv_lora_rank=512)
+            want, want_lse = numpy_mla_decode(
+                qf, np.asarray(kv, np.float32) * float(kv_scale), table, lens, qlen=shape.qlen,
+                scale=DEEPSEEK_SCALE, kv_lora_rank=512)
             parts, s = jax.jit(real)(qb)
             p = np.asarray(parts).astype(np.float32)
             back = np.asarray(s).reshape(qf.shape[:2])[..., None] * (p[..., :576] + p[..., 576:])
             row = dict(case=f"{shape.name} {np.asarray(lens).tolist()}",
                        split_rel_err=float(np.abs(back - qf).max() / np.abs(qf).max()),
                        lo_nonzero=float(np.mean(p[..., 576:] != 0)))
-            md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page,
-                                               qlen=shape.qlen,
-                                               tuning=TritonTuning(sm90_split_q=True))
+            md = split_metadata(table, lens, shape, qb.dtype, kv.dtype)
             outs = {}
             for name, fn in _variants(real).items():
-                tdecode.split_query_e4m3 = fn
+                traced = []
+                tdecode.split_query_e4m3 = (lambda q, _fn=fn, _seen=traced:
+                                            _seen.append(1) or _fn(q))
                 extra = EXTRA_CONSTEXPRS.get(name, {})
                 tdecode.sm90_constexprs = (lambda *a, _x=extra, **k: constexprs(*a, **k) | _x)
                 jax.clear_caches()
-                out = jax_mla.mla_attention(qb, kv, md, scale=DEEPSEEK_SCALE, backend="triton",
-                                            kv_lora_rank=512, kv_scale=kv_scale)
+                out, lse = jax.jit(lambda q, c, m, _s=kv_scale: jax_mla.mla_attention(
+                    q, c, m, scale=DEEPSEEK_SCALE, backend="triton", kv_lora_rank=512,
+                    kv_scale=_s, return_lse=True))(qb, kv, md)
+                if not traced:
+                    raise SystemExit(f"split probe: variant {name} did not reach the split "
+                                     "path (its split function was never traced)")
                 o = np.asarray(out, np.float32)
                 outs[name] = o
+                finite = np.isfinite(want_lse)
                 row[name] = dict(rel_err=rel_err(np.nan_to_num(o, nan=1e9), want),
-                                 nan_rows=int(np.isnan(o).any(-1).sum()))
+                                 nan_rows=int(np.isnan(o).any(-1).sum()),
+                                 lse_max_abs_err=float(np.max(np.abs(
+                                     np.asarray(lse)[finite] - want_lse[finite]))))
             for a, b in (("hi_zero", "zero_hi"), ("lo_zero", "zero_lo"),
                          ("hi_zero", "hi_hi_half")):
                 row[f"{a}_vs_{b}"] = float(np.nanmax(np.abs(outs[a] - outs[b])))
