@@ -483,7 +483,7 @@ def test_a_call_without_its_binaries_names_its_kernels_by_hash(rng, monkeypatch)
     single = ffi_launch.launch_attributes(kb, (7, 3), embed=False)
     full = ffi_launch.launch_attributes(kb, (7, 3))
     assert single["binary"].size == 0 and full["binary"].size == len(kb.binary)
-    assert {k: v for k, v in single.items() if k != "binary"}.keys() == full.keys() - {"binary"}
+    assert set(single) == set(full)
     assert single["binary_hash"] == full["binary_hash"] == kb.binary_hash
     with jax.default_device(jax.devices("cpu")[0]):
         _check_packing(rng, 2, single)
@@ -501,6 +501,42 @@ def test_a_call_without_its_binaries_names_its_kernels_by_hash(rng, monkeypatch)
     with jax.default_device(jax.devices("cpu")[0]):
         *_, where = jax.jit(lambda a, b: call(a, b, **seq))(jnp.ones(2), jnp.ones(2))
     assert where.tolist() == [0, 2, 2, 3, -1]
+
+
+@pytest.mark.parametrize("embed", ["1", "0"])
+def test_launches_carry_their_binaries_unless_the_knob_says_not(monkeypatch, embed):
+    """``launch`` and ``launch_sequence`` read ``JAX_MLA_FFI_EMBED_BINARIES`` when traced: the
+    binaries in the attributes, or none with ``0``; a launch through the record target carries
+    its binary either way (XLA loads the cubin itself)."""
+    kb = _binary(0)
+    seen = []
+
+    def fake_ffi_call(name, out_shapes, **kw):
+        return lambda *arrays, **attrs: seen.append((name, attrs)) or [None] * len(out_shapes)
+
+    monkeypatch.setenv("JAX_MLA_FFI_EMBED_BINARIES", embed)
+    monkeypatch.setattr(ffi_launch, "check_device", lambda target: None)
+    monkeypatch.setattr(ffi_launch, "register", lambda platforms: None)
+    monkeypatch.setattr(ffi_launch, "compile_kernel", lambda *a, **k: kb)
+    monkeypatch.setattr(ffi_launch, "preload", lambda kb, target: None)
+    monkeypatch.setattr(ffi_launch, "register_record_target", lambda: None)
+    monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
+    target = Target("cuda", "sm_90")
+    x = jnp.ones(4)
+    shape = [jax.ShapeDtypeStruct((4,), jnp.float32)]
+    ffi_launch.launch(types.SimpleNamespace(__name__="k"), (x,), grid=(1,), out_shapes=shape,
+                      target=target)
+    ffi_launch.launch(types.SimpleNamespace(__name__="k"), (x,), grid=(1,), out_shapes=shape,
+                      target=target, record=True)
+    step = ffi_launch.SequenceStep(types.SimpleNamespace(__name__="k"), (0,), (0,), (1,))
+    ffi_launch.launch_sequence([step], (x,), out_shapes=shape, target=target)
+    (single, a), (record, b), (sequence, c) = seen
+    assert (single, record, sequence) == (ffi_launch.TARGET_NAME, ffi_launch.RECORD_TARGET_NAME,
+                                          ffi_launch.SEQUENCE_TARGET_NAME)
+    size = len(kb.binary) if embed == "1" else 0
+    assert a["binary"].size == size and c["binaries"].size == size
+    assert b["binary"].size == len(kb.binary)
+    assert a["binary_hash"] == b["binary_hash"] == c["binary_hashes"][0] == kb.binary_hash
 
 
 @needs_library

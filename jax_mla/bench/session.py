@@ -826,9 +826,10 @@ def stage_allocators(shapes):
                 TF_CPP_VMODULE=ALLOCATOR_VMODULE, **ALLOCATORS[name])
 
 
-# Where a waited run of the stream timer's chain spends its wall time (``cmdbuf --anatomy``),
+# Where a waited run of the stream timer's chain spends its wall time (``cmdbuf --anatomy``):
 # under the default client and the TFRT one, each with the kernels' binaries in the custom
-# calls' attributes (the default) and without them (named by hash; a measurement knob).
+# calls' attributes (the default) and without them (named by hash; a measurement knob); our
+# launches through XLA's record stage; and with XLA's command buffers off.
 ANATOMY_VARIANTS = {"default": {},
                     "no_embed": {"JAX_MLA_FFI_EMBED_BINARIES": "0"},
                     "tfrt": {"XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"},
