@@ -174,6 +174,18 @@ def compiler_options() -> dict:
     return options
 
 
+def process_knobs() -> dict:
+    """What this process's chains ran under, for their rows: the PJRT allocator and client,
+    ``XLA_FLAGS``, and whether our custom calls carry their binaries."""
+    from jax_mla.backends.triton import ffi_launch
+
+    return {"allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
+            "tfrt_gpu_client": os.environ.get("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT",
+                                              "0") == "1",
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "embed_binaries": ffi_launch.embed_binaries()}
+
+
 def chain_walls(many, args, n: int, reps: int) -> tuple[float, float]:
     """Microseconds a call of the compiled chain ``many`` of ``n`` calls, median of ``reps``
     runs each dispatched and waited for: the wall time (dispatch to sync), and the host's
@@ -226,11 +238,7 @@ def chain_lengths(specs, ns=CHAIN_LENGTHS, reps: int = 7, profiled: bool = True)
             jax.block_until_ready(many(*args))
             with captured_stderr() as log:
                 wall, enqueue = chain_walls(many, args, n, reps)
-            rows.append({"shape": spec, "n": n, "launcher": launcher,
-                         "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
-                         "tfrt_gpu_client": os.environ.get(
-                             "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "0") == "1",
-                         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            rows.append({"shape": spec, "n": n, "launcher": launcher, **process_knobs(),
                          "compiler_options": options,
                          "ffi_command_buffers": inside,
                          "ffi_initialize_stage": initialize,
@@ -431,9 +439,9 @@ def anatomies(specs, ns=(16, 128), reps: int = 7) -> list[dict]:
             chains.append((spec, n, many, args, {"wall_us": wall, "enqueue_us": enqueue}))
     rows = []
     for spec, n, many, args, unprofiled in chains:
-        row = {"shape": spec, "tfrt_gpu_client": os.environ.get(
-                   "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "0") == "1",
-               "embed_binaries": os.environ.get("JAX_MLA_FFI_EMBED_BINARIES", "1") != "0",
+        knobs = process_knobs()
+        row = {"shape": spec, "tfrt_gpu_client": knobs["tfrt_gpu_client"],
+               "embed_binaries": knobs["embed_binaries"],
                "unprofiled_per_call_us": unprofiled, **anatomy(many, args, n)}
         print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
         rows.append(row)

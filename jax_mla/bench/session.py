@@ -794,9 +794,9 @@ def stage_cmdbuf_chains(_):
 # (``--xla_gpu_temp_buffer_use_separate_color``, "the fixed address on every iteration"): which
 # of them keeps a program's buffers where the last execution had them, so that XLA need not
 # update the command buffer before each replay. On an H100 (2026-12-07) only the TFRT client
-# did, and the bench's timers did not move with it (benchmarks/results/h100/tried.md); the
-# temp pool given to one program (``temp_color_jit``) fails, as the pool is made when the
-# client starts.
+# did, and not for every run of our chains (``anatomy`` below; benchmarks/results/h100/
+# tried.md); the temp pool given to one program (``temp_color_jit``) fails, as the pool is
+# made when the client starts.
 TEMP_COLOR = {"XLA_FLAGS": "--xla_gpu_temp_buffer_use_separate_color=true"}
 ALLOCATORS = {"default": {},
               "temp_color": TEMP_COLOR,
