@@ -53,6 +53,14 @@
 #if __has_include("xla/ffi/api/record_c_api.h")
 #include "xla/ffi/api/record_c_api.h"
 #define JAX_MLA_HAS_RECORD 1
+// The record API's version 0.5 (jaxlib 0.12) names the kernel by a loaded function handle and
+// its launch by XLA's shared kernel types (kernel_c_api.h); version 0.1 (jaxlib 0.11) took the
+// cubin and the launch dimensions as arguments of its own.
+#if __has_include("xla/ffi/api/kernel_c_api.h")
+#define JAX_MLA_RECORD_BY_FUNCTION 1
+#else
+#define JAX_MLA_RECORD_BY_FUNCTION 0
+#endif
 #else
 #define JAX_MLA_HAS_RECORD 0
 #endif
@@ -515,10 +523,12 @@ struct RecordFrameExtension {
   static constexpr int64_t kExtensionType = XLA_FFI_Extension_Record;
   static constexpr int32_t kMajorVersion = XLA_FFI_Extension_Record_MajorVersion;
   static constexpr int32_t kMinorVersion = XLA_FFI_Extension_Record_MinorVersion;
-  // The API is marked as still changing: the major version must match, a later minor version
-  // (additions) is accepted.
+  // The API is marked as still changing, and its major version 0 changes the layout of its
+  // structs between minor versions (0.1 to 0.5, jaxlib 0.11 to 0.12): under major 0 only the
+  // version the library was built against is taken; from 1 on, a later minor (additions) too.
   static bool Support(int32_t major, int32_t minor) {
-    return major == kMajorVersion && minor >= kMinorVersion;
+    if (major != kMajorVersion) return false;
+    return major == 0 ? minor == kMinorVersion : minor >= kMinorVersion;
   }
   static Type Create(const XLA_FFI_Api* api, const CExtension* ext) {
     return Type{api, ext->record_frame};
@@ -585,10 +595,22 @@ ffi::Error Record(void* stream, int32_t device, RecordFrameExtension::Type recor
   const InternedKernel& k = Intern(l);
   XLA_FFI_LaunchDims dims{{l.grid[0], l.grid[1], l.grid[2]}, {l.block_threads, 1, 1}, {0, 0, 0}};
   const XLA_FFI_Command* command = nullptr;
+#if JAX_MLA_RECORD_BY_FUNCTION
+  // XLA launches the function this library loaded (its module cache keeps it for the life of
+  // the process); the name is for XLA's log.
+  XLA_FFI_RecordKernel kernel{XLA_FFI_RecordKernel_STRUCT_SIZE, nullptr, nullptr, *function,
+                              XLA_FFI_ByteSpan{k.name.data(), k.name.size()}};
+  XLA_FFI_KernelLaunchParams params{XLA_FFI_KernelLaunchParams_STRUCT_SIZE, nullptr, dims,
+                                    static_cast<uint32_t>(l.shared_bytes), l.pdl != 0 ? 1 : 0,
+                                    &packed};
+  XLA_FFI_Error* e = api->create_launch(ctx, &kernel, &params, /*dependencies=*/nullptr,
+                                        /*num_dependencies=*/0, &command);
+#else
   XLA_FFI_Error* e = api->create_launch(
       ctx, k.name.c_str(), k.image.data(), static_cast<int64_t>(k.image.size()),
       XLA_FFI_SourceFormat_CUBIN, dims, static_cast<uint32_t>(l.shared_bytes), l.pdl != 0 ? 1 : 0,
       &packed, /*dependencies=*/nullptr, /*num_dependencies=*/0, &command);
+#endif
   if (e != nullptr) return FromXla(record.api, e, "record the launch of " + std::string(l.name));
   if (command == nullptr) {
     return ffi::Error::Internal("jax_mla: XLA recorded no command for " + std::string(l.name));

@@ -42,17 +42,20 @@ def test_the_package_builds_the_library():
     assert os.path.isfile(ffi_launch.library_path())
 
 
-# The first jaxlib whose FFI headers have XLA's record API (the GPU machine's, 2026-12).
-RECORD_JAXLIB = "0.11.2"
+# The jaxlibs whose FFI headers have XLA's record API, one of each of its versions: 0.11.2 (the
+# GPU machine's, record API 0.1, the kernel given as a cubin) and 0.12.1 (record API 0.5, the
+# kernel given as a loaded function).
+RECORD_JAXLIBS = ("0.11.2", "0.12.1")
 
 
 @needs_library
-def test_the_record_stage_is_built_where_the_headers_have_it(tmp_path):
+@pytest.mark.parametrize("jaxlib_version", RECORD_JAXLIBS)
+def test_the_record_stage_is_built_where_the_headers_have_it(tmp_path, jaxlib_version):
     """The CUDA record stage is compiled in exactly where jaxlib's FFI headers have XLA's record
-    API: not against this jaxlib's where they lack it (jax 0.10 on CI), and against jaxlib
-    0.11.2's (its wheel's headers, downloaded: the GPU machine's version) the library builds
-    with the compiler flags of ``setup.py`` and exports ``JaxMlaTritonRecordCuda`` beside the
-    other handlers."""
+    API: not against this jaxlib's where they lack it (jax 0.10 on CI), and against the headers
+    of each jaxlib in :data:`RECORD_JAXLIBS` (its wheel's, downloaded) the library builds with
+    the compiler flags of ``setup.py`` and exports ``JaxMlaTritonRecordCuda`` beside the other
+    handlers."""
     import ctypes
     import subprocess
     import sys
@@ -62,11 +65,11 @@ def test_the_record_stage_is_built_where_the_headers_have_it(tmp_path):
     assert ffi_launch.record_available() == here
     r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                         "--only-binary=:all:", "--python-version", "3.12", "--platform",
-                        "manylinux_2_27_x86_64", "-d", str(tmp_path), f"jaxlib=={RECORD_JAXLIB}"],
+                        "manylinux_2_27_x86_64", "-d", str(tmp_path), f"jaxlib=={jaxlib_version}"],
                        capture_output=True, text=True, timeout=600)
     wheels = list(tmp_path.glob("jaxlib-*.whl"))
     if r.returncode != 0 or not wheels:
-        pytest.skip(f"jaxlib {RECORD_JAXLIB}'s wheel could not be downloaded: {r.stderr[-500:]}")
+        pytest.skip(f"jaxlib {jaxlib_version}'s wheel could not be downloaded: {r.stderr[-500:]}")
     with zipfile.ZipFile(wheels[0]) as z:
         z.extractall(tmp_path, [n for n in z.namelist() if "/include/xla/ffi/" in n])
     include = tmp_path / "jaxlib" / "include"
