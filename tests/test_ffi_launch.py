@@ -74,6 +74,10 @@ def test_the_record_stage_is_built_where_the_headers_have_it(tmp_path, jaxlib_ve
         z.extractall(tmp_path, [n for n in z.namelist() if "/include/xla/ffi/" in n])
     include = tmp_path / "jaxlib" / "include"
     assert (include / "xla/ffi/api/record_c_api.h").exists()
+    # Each jaxlib takes its own branch of the record stage: 0.12's headers have XLA's shared
+    # kernel types (the kernel passed as a function), 0.11's do not (passed as a cubin).
+    by_function = tuple(int(p) for p in jaxlib_version.split(".")[:2]) >= (0, 12)
+    assert (include / "xla/ffi/api/kernel_c_api.h").exists() == by_function
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     lib = tmp_path / "launch.so"
     r = subprocess.run(["c++", "-std=c++17", "-O2", "-g0", "-fvisibility=hidden", "-shared",
