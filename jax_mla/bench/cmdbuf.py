@@ -438,8 +438,8 @@ def anatomies(specs, ns=(16, 128), reps: int = 7) -> list[dict]:
             wall, enqueue = chain_walls(many, args, n, reps)
             chains.append((spec, n, many, args, {"wall_us": wall, "enqueue_us": enqueue}))
     rows = []
+    knobs = process_knobs()  # the process's, the same for every chain
     for spec, n, many, args, unprofiled in chains:
-        knobs = process_knobs()
         row = {"shape": spec, "tfrt_gpu_client": knobs["tfrt_gpu_client"],
                "embed_binaries": knobs["embed_binaries"],
                "unprofiled_per_call_us": unprofiled, **anatomy(many, args, n)}
