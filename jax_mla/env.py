@@ -41,6 +41,8 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   (``plan.SPLIT_Q_TRITON``), elsewhere only in place of the Triton 64-row tile.
 - ``JAX_MLA_TRITON_SPLIT_Q_KERNEL=1``: that split made by one Triton kernel rather than XLA ops
   (the same values; off by default until timed on a GPU).
+- ``JAX_MLA_TRITON_SPLIT_ACC=1``: with that split, the low part's products summed in an
+  accumulator of their own and added after the MMAs (a smaller LSE error; off until timed).
 - ``JAX_MLA_TRITON_ONE_CALL=0``: the decode kernel and its reduce as two custom calls rather
   than one launch sequence (``launch.triton_sequence``, the default since it ran on an H200).
 - ``JAX_MLA_FFI_LIBRARY``: path of the FFI launcher library (default: the one built at install).
@@ -96,7 +98,8 @@ ENV_VARS = (
     "JAX_MLA_TRITON_LAUNCHER", "JAX_MLA_TRITON_PDL", "JAX_MLA_TRITON_FP8_F16",
     "JAX_MLA_TRITON_FP8_QK", "JAX_MLA_TRITON_FP8_CONVERT_ONCE", "JAX_MLA_TRITON_POW2_HEAD_BLOCKS",
     "JAX_MLA_TRITON_SM90_FP8", "JAX_MLA_TRITON_SM90_SPLIT_Q", "JAX_MLA_TRITON_SPLIT_Q_KERNEL",
-    "JAX_MLA_TRITON_ONE_CALL", "JAX_MLA_FFI_LIBRARY", "JAX_MLA_FFI_COMMAND_BUFFERS",
+    "JAX_MLA_TRITON_SPLIT_ACC", "JAX_MLA_TRITON_ONE_CALL", "JAX_MLA_FFI_LIBRARY",
+    "JAX_MLA_FFI_COMMAND_BUFFERS",
     "JAX_MLA_FFI_INITIALIZE_STAGE", "JAX_MLA_FFI_EMBED_BINARIES",
     "JAX_MLA_FFI_PRELOAD",
     "JAX_MLA_CACHE_DIR",

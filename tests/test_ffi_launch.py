@@ -164,6 +164,15 @@ def test_the_record_target_is_registered_only_where_it_can_be(monkeypatch, knob,
     process), nothing is run and every launch calls the plain target."""
     if knob:
         monkeypatch.setenv(knob, value)
+    else:  # the process has no CUDA device, here or on a GPU machine
+        devices = jax.devices
+
+        def no_cuda(backend=None):
+            if backend == "cuda":
+                raise RuntimeError("Unknown backend cuda")
+            return devices(backend)
+
+        monkeypatch.setattr(jax, "devices", no_cuda)
     monkeypatch.setattr(ffi_launch, "_record_reason", [])
     monkeypatch.setattr(ffi_launch, "record_available", lambda: True)
     monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: pytest.fail("registered"))

@@ -231,6 +231,17 @@ def test_the_split_kernel_is_chosen_by_its_knob(monkeypatch):
     assert TritonTuning.from_env().split_q_kernel
 
 
+def test_the_split_accumulator_is_chosen_by_its_knob(monkeypatch):
+    """``TritonTuning.split_acc`` (``JAX_MLA_TRITON_SPLIT_ACC``) is off by default and read
+    from the environment (its answer is checked on Hopper in ``test_conformance.py``)."""
+    from jax_mla.backends.triton.plan import TritonTuning
+
+    monkeypatch.delenv("JAX_MLA_TRITON_SPLIT_ACC", raising=False)
+    assert not TritonTuning().split_acc and not TritonTuning.from_env().split_acc
+    monkeypatch.setenv("JAX_MLA_TRITON_SPLIT_ACC", "1")
+    assert TritonTuning.from_env().split_acc
+
+
 SPLIT_KERNEL_SCRIPT = r"""
 import json
 import jax.numpy as jnp

@@ -10,7 +10,8 @@ session on an earlier tree, for a before/after table), ``kernels.json`` and ``ke
 ``ab_pdl.json``, ``ab_split_q.json``, ``ab_split_q_more.json``, ``split_probe.json``,
 ``update_mode_*.json`` (the FFI path under each XLA command-buffer update mode, a process each),
 ``stream_execute.json``, ``stream_initialize.json``, ``record_ab.json``, ``cmdbuf.json``,
-``cmdbuf_chains*.json``, ``launcher_ab.json``, ``one_call_ab.json``, ``graphs.json``,
+``cmdbuf_chains*.json``, ``launcher_ab.json``, ``one_call_ab.json``, ``jax_versions_ab.json``,
+``graphs.json``,
 ``planner.json``, ``latency_ab.json``, ``conformance.json``
 (the GPU test summary), ``conformance_ffi.json`` (one case a row), ``client_ab.json`` (the
 default PJRT client against its TFRT client), ``allocators.json`` (chained calls and XLA's
@@ -540,6 +541,12 @@ LAUNCHER_SECTIONS = (
      "(`jax_mla_triton_sequence`, the default); `one_pdl`: the sequence with programmatic "
      "dependent launch between its kernels (`pdl=1`); `flashmla`: FlashMLA on the first "
      "variant's buffers. All through the FFI launcher with the planning kernel."),
+    ("jax_versions_ab.json", "jax 0.11.2 against jax 0.12.1 (one machine, a process each)",
+     "`ffi` / `record`: the FFI path with its defaults, its launches captured into command "
+     "buffers or recorded through XLA's record stage, under the jax named (0.12.1 carried as "
+     "wheels, the launcher library built against its headers); `tfrt`: the process started "
+     "with `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`. Rows of one `run` ran in one device "
+     "call; `rel err vs first` is against that process's first variant."),
     ("client_ab.json", "The default PJRT client against its TFRT client (a process each)",
      "`default_client` / `tfrt_client`: the FFI path with its defaults, the process started "
      "without and with `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`; `flashmla_*`: FlashMLA on the "

@@ -168,7 +168,8 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
                     scales = jnp.concatenate([scales, row_scales])
             consts |= dict(HAS_KV_SCALE=has_scale, HAS_Q_SCALE=fp8_qk and q_scale is not None,
                            SPLIT_Q=split)
-            consts.setdefault("SPLIT_ACC", False)  # (True only in ``bench.split_probe``)
+            consts.setdefault("SPLIT_ACC", split and plan.tuning is not None
+                              and plan.tuning.split_acc)
     else:
         kernel = _kernels().mla_decode_kernel
         consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,

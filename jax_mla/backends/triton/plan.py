@@ -194,7 +194,12 @@ class TritonTuning:
     (which triton 3.9 spills inside its KV loop); True / False force it. ``split_q_kernel``: that
     split made by one Triton kernel (``kernels/triton/split_query.py``, the same values) instead
     of XLA ops, which took four kernels and 49.6 µs at B128 H128 on an H100; off by default until
-    it is timed on a GPU. ``one_call``: the decode kernel and the reduce after it launched by one
+    it is timed on a GPU. ``split_acc``: with the split, the low part's products summed in an
+    accumulator of their own and added to the high part's after the MMAs' wait (the kernel's
+    ``SPLIT_ACC``); on an H100 (2026-12-07, ``bench.split_probe``) the LSE's largest error
+    against the oracle fell from 3.5e-3 / 8.2e-3 to 1.1e-3 / 1.5e-3 at two ragged shapes (8-bit
+    wgmma accumulates with fewer bits than float32); off by default until it is timed.
+    ``one_call``: the decode kernel and the reduce after it launched by one
     custom call (``launch.triton_sequence``; with the ``ffi`` launcher, one command of XLA's
     instead of two); off: two custom calls. Other launchers run the two in turn either way. On by
     default (on an H200, 2026-12-07: outputs bit for bit those of two calls; runs in flight at
@@ -224,6 +229,7 @@ class TritonTuning:
     sm90_fp8: bool = True
     sm90_split_q: bool | None = None
     split_q_kernel: bool = False
+    split_acc: bool = False
     one_call: bool = True
 
     def __post_init__(self):
@@ -261,6 +267,7 @@ class TritonTuning:
             sm90_fp8=env.read_flag("JAX_MLA_TRITON_SM90_FP8", True),
             sm90_split_q=env.read_flag("JAX_MLA_TRITON_SM90_SPLIT_Q", None),
             split_q_kernel=env.read_flag("JAX_MLA_TRITON_SPLIT_Q_KERNEL", False),
+            split_acc=env.read_flag("JAX_MLA_TRITON_SPLIT_ACC", False),
             one_call=env.read_flag("JAX_MLA_TRITON_ONE_CALL", True),
         )
 

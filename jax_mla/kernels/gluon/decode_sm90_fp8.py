@@ -430,8 +430,8 @@ def mla_decode_sm90_fp8_kernel(
     """Grid: persistent programs x head blocks, head block fastest (as the bf16 kernel).
     ``kv_scale_ptr``: ``[kv_scale]``, or ``[kv_scale, q_scale]`` with ``HAS_Q_SCALE``, or with
     ``SPLIT_Q`` ``[kv_scale, row scales [T * H]...]`` and ``q_ptr`` the query's two e4m3 parts
-    ``[T, H, 2 (L + R)]`` (``backends.triton.decode.split_query_e4m3``); ``SPLIT_ACC`` (a
-    variant for ``bench.split_probe``): the low part's products summed apart, then added.
+    ``[T, H, 2 (L + R)]`` (``backends.triton.decode.split_query_e4m3``); ``SPLIT_ACC``
+    (``TritonTuning.split_acc``): the low part's products summed apart, then added.
     Launched with 4 warps (warpgroup 0); warpgroup 1 is the worker partition."""
     pid = gl.program_id(0)
     p = pid // NUM_HB
