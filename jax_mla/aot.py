@@ -4,7 +4,8 @@ Every Triton kernel variant the ``triton`` backend would launch on a target is c
 Triton's own compiler, on this host, with no GPU: decode (``Q = 1``) and verify (``Q = 2..8``)
 for 1 to 128 heads in each cache dtype the backend takes there (bf16, fp16, the target's fp8
 e4m3 flavour with a scale, fp32), the reduce of their split partials, the planning kernel that
-makes their schedule, and the prefill kernel (DeepSeek's 192/128 head dims, causal or not).
+makes their schedule, the kernel that splits a 16-bit query in two e4m3 parts for the Gluon fp8
+kernel (Hopper), and the prefill kernel (DeepSeek's 192/128 head dims, causal or not).
 
 What is launched is not re-derived here: each variant's step (metadata, decode, prefill) is
 traced with :func:`jax.eval_shape` through the backend's own code, with its ``triton_call``
@@ -97,6 +98,7 @@ TILE_KEYS = {
     "mla_reduce_affine_kernel": ("BLOCK_H", "BLOCK_S", "BLOCK_L"),
     "mla_reduce_kernel": ("BLOCK_H", "BLOCK_S", "BLOCK_L"),
     "mla_plan_kernel": ("CB", "CP", "CW"),
+    "mla_split_query_e4m3_kernel": ("BLOCK_D", "ROWS_PER_PROGRAM"),
     "prefill_fwd_kernel": ("BLOCK_M", "BLOCK_N"),
 }
 
@@ -241,7 +243,8 @@ def _label(job: Job, qlen) -> str:
     if fn.startswith("mla_decode"):
         return "decode" if qlen == 1 else "verify"
     return {"mla_reduce_affine_kernel": "reduce", "mla_reduce_kernel": "reduce_general",
-            "mla_plan_kernel": "plan", "prefill_fwd_kernel": "prefill"}[fn]
+            "mla_plan_kernel": "plan", "mla_split_query_e4m3_kernel": "split_query",
+            "prefill_fwd_kernel": "prefill"}[fn]
 
 
 def variants(target_name: str, heads=HEADS, qlens=QLENS, dtypes=DTYPES, batch: int = 64

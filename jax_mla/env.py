@@ -39,8 +39,8 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   Triton tiles on Hopper (0), or the Gluon fp8 kernel with the query split by XLA in two e4m3
   parts (1). Unset: the Gluon kernel where the installed Triton compiles it without spills
   (``plan.SPLIT_Q_TRITON``), elsewhere only in place of the Triton 64-row tile.
-- ``JAX_MLA_TRITON_SPLIT_Q_KERNEL=1``: that split made by one Triton kernel rather than XLA ops
-  (the same values; off by default until timed on a GPU).
+- ``JAX_MLA_TRITON_SPLIT_Q_KERNEL=0``: that split made by XLA ops rather than one Triton kernel
+  (the same values; the kernel is the default since it was timed on an H100).
 - ``JAX_MLA_TRITON_SPLIT_ACC=1``: with that split, the low part's products summed in an
   accumulator of their own and added after the MMAs (a smaller LSE error; off until timed).
 - ``JAX_MLA_TRITON_ONE_CALL=0``: the decode kernel and its reduce as two custom calls rather

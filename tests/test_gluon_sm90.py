@@ -221,14 +221,14 @@ def test_the_split_kernel_gives_the_xla_split_bit_for_bit(rng, dtype, lead):
 
 
 def test_the_split_kernel_is_chosen_by_its_knob(monkeypatch):
-    """``TritonTuning.split_q_kernel`` (``JAX_MLA_TRITON_SPLIT_Q_KERNEL``) is off by default and
+    """``TritonTuning.split_q_kernel`` (``JAX_MLA_TRITON_SPLIT_Q_KERNEL``) is on by default and
     read from the environment."""
     from jax_mla.backends.triton.plan import TritonTuning
 
     monkeypatch.delenv("JAX_MLA_TRITON_SPLIT_Q_KERNEL", raising=False)
-    assert not TritonTuning().split_q_kernel and not TritonTuning.from_env().split_q_kernel
-    monkeypatch.setenv("JAX_MLA_TRITON_SPLIT_Q_KERNEL", "1")
-    assert TritonTuning.from_env().split_q_kernel
+    assert TritonTuning().split_q_kernel and TritonTuning.from_env().split_q_kernel
+    monkeypatch.setenv("JAX_MLA_TRITON_SPLIT_Q_KERNEL", "0")
+    assert not TritonTuning.from_env().split_q_kernel
 
 
 def test_the_split_accumulator_is_chosen_by_its_knob(monkeypatch):

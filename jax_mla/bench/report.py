@@ -7,7 +7,8 @@ Reads whatever of these the folder holds (the stages of ``python -m jax_mla.benc
 session on an earlier tree, for a before/after table), ``kernels.json`` and ``kernels_before.json``
 (CUPTI per kernel), ``prefill.json``, ``dcp_split.json``, ``aiter_bridge.json``, ``ab.json``,
 ``ab_fp8.json``, ``ab_fp8_verify.json``, ``ab_fp8_head_blocks.json``, ``ab_sm90_fp8.json``,
-``ab_pdl.json``, ``ab_split_q.json``, ``ab_split_q_more.json``, ``split_probe.json``,
+``ab_pdl.json``, ``ab_split_q.json``, ``ab_split_q_more.json``, ``ab_split_acc.json``,
+``split_probe.json``,
 ``update_mode_*.json`` (the FFI path under each XLA command-buffer update mode, a process each),
 ``stream_execute.json``, ``stream_initialize.json``, ``record_ab.json``, ``cmdbuf.json``,
 ``cmdbuf_chains*.json``, ``launcher_ab.json``, ``one_call_ab.json``, ``jax_versions_ab.json``,
@@ -221,6 +222,10 @@ AB_FILES = (("ab.json", "Tuning A/B (same run)"),
              "(`tile`), bf16 beside (same run)"),
             ("ab_split_q_more.json", "The same at more shapes, stream time only (`sq64`: "
              "64-row tiles at every head count; another run)"),
+            ("ab_split_acc.json", "The split-query path: XLA's split (`sq`, then the "
+             "default), the low part's products summed apart (`sqa`, `split_acc`) and the "
+             "split as one Triton kernel (`sqk`, `split_q_kernel`, the default since) (same "
+             "run)"),
             ("ab_fp8_lean.json", "The Gluon fp8 kernel before (`held`) and after (`lean`) it "
              "stopped holding loop-invariant rows through its KV loops (two processes, one "
              "machine, one call)"),

@@ -433,11 +433,12 @@ def stage_sm90_fp8(_):
 
 # A 16-bit query against an fp8 cache: the Triton tiles (``sm90_split_q=0``) first, then the
 # Gluon fp8 kernel with the query split in two e4m3 parts (``sm90_split_q``, the default where
-# the installed Triton compiles it without spills); the bf16 shapes first, so that a run cut
-# short still has the comparison the fp8 targets are stated against.
+# the installed Triton compiles it without spills) by the split kernel (the default) and by
+# XLA's ops (``sqx``); the bf16 shapes first, so that a run cut short still has the comparison
+# the fp8 targets are stated against.
 SPLIT_Q_AB = ("ab_split_q.json",
               ("tile:sm90_split_q=0", "sq:sm90_split_q=1",
-               "sqk:sm90_split_q=1,split_q_kernel=1"),
+               "sqx:sm90_split_q=1,split_q_kernel=0"),
               ("64,16,4096", "128,128,4096", "128,128,4096,1,64,fp8", "64,16,4096,1,64,fp8",
                "32,128,4096,3,64,fp8", "64,16,4096,4,64,fp8", "128,16,8192,1,64,fp8"))
 

@@ -80,7 +80,8 @@ def split_metadata(table, lens, shape, q_dtype, kv_dtype):
     md = jax_mla.build_decode_metadata(table, lens, page_size=shape.page, qlen=shape.qlen,
                                        num_heads=shape.heads, q_dtype=q_dtype,
                                        kv_dtype=kv_dtype, backend="triton",
-                                       tuning=TritonTuning(sm90_split_q=True))
+                                       tuning=TritonTuning(sm90_split_q=True,
+                                                           split_q_kernel=False))
     if not md.plan.kernel.sm90:
         raise SystemExit(f"split probe: the plan for {shape.name} takes {md.plan.kernel}, not "
                          "the Gluon fp8 kernel (it needs a Hopper GPU)")

@@ -184,21 +184,24 @@ class TritonTuning:
     Gluon two-warpgroup kernel (``kernels/gluon/decode_sm90_fp8.py``: fp8 wgmma scores, ``V`` in
     float16) where the 64-row tile serves it; off: the Triton 64-row tile. On by default (on an
     H100, 2026-12-05: 1.32-1.45x faster than the Triton tile at four shapes). ``sm90_split_q``: a
-    16-bit query against an fp8 cache through the same Gluon kernel, the query split by XLA into two
-    e4m3 parts and a power-of-two scale a row (``decode.split_query_e4m3``: exact for a bf16 query
-    but for elements under ``2^-8`` of their row's largest), so the scores are fp8 products too;
-    off: the Triton tiles (bf16 products of the converted tile). None (the default): on where the
-    installed Triton is one under which the kernel compiles without spills (:data:`SPLIT_Q_TRITON`:
-    3.6 and 3.9; on an H100, 2026-12-06, it met the oracle and took 0.66-0.76x the Triton tiles'
-    stream time at five shapes); under other Tritons only in place of the Triton 64-row tile
-    (which triton 3.9 spills inside its KV loop); True / False force it. ``split_q_kernel``: that
-    split made by one Triton kernel (``kernels/triton/split_query.py``, the same values) instead
-    of XLA ops, which took four kernels and 49.6 µs at B128 H128 on an H100; off by default until
-    it is timed on a GPU. ``split_acc``: with the split, the low part's products summed in an
-    accumulator of their own and added to the high part's after the MMAs' wait (the kernel's
-    ``SPLIT_ACC``); on an H100 (2026-12-07, ``bench.split_probe``) the LSE's largest error
-    against the oracle fell from 3.5e-3 / 8.2e-3 to 1.1e-3 / 1.5e-3 at two ragged shapes (8-bit
-    wgmma accumulates with fewer bits than float32); off by default until it is timed.
+    16-bit query against an fp8 cache through the same Gluon kernel, the query split into two e4m3
+    parts and a power-of-two scale a row (``decode.split_query_e4m3``, XLA's ops: exact for a bf16
+    query but for elements under ``2^-8`` of their row's largest), so the scores are fp8 products
+    too; off: the Triton tiles (bf16 products of the converted tile). None (the default): on where
+    the installed Triton is one under which the kernel compiles without spills
+    (:data:`SPLIT_Q_TRITON`: 3.6 and 3.9; on an H100, 2026-12-06, it met the oracle and took
+    0.66-0.76x the Triton tiles' stream time at five shapes); under other Tritons only in place of
+    the Triton 64-row tile (which triton 3.9 spills inside its KV loop); True / False force it.
+    ``split_q_kernel``: that split made by one Triton kernel (``kernels/triton/split_query.py``, the
+    same values) instead of XLA ops, which took four kernels and 49.6 µs at B128 H128 on an H100. On
+    by default (on an H100, 2026-12-07, same run: outputs bit for bit those of XLA's split, GPU time
+    3.8 % / 6.3 % and stream time 1.3 % / 7.2 % lower at B64 H16 S4k / B128 H128 S4k).
+    ``split_acc``: with the split, the low part's products summed in an accumulator of their own and
+    added to the high part's after the MMAs' wait (the kernel's ``SPLIT_ACC``); on an H100
+    (2026-12-07, ``bench.split_probe``) the LSE's largest error against the oracle fell from 3.5e-3
+    / 8.2e-3 to 1.1e-3 / 1.5e-3 at two ragged shapes (8-bit wgmma is said to accumulate with fewer
+    bits than float32); off by default (same run: 2.4 % / 1.6 % more GPU time and 5.7 % / 2.2 % more
+    stream time at those shapes, for an answer already within its bounds).
     ``one_call``: the decode kernel and the reduce after it launched by one
     custom call (``launch.triton_sequence``; with the ``ffi`` launcher, one command of XLA's
     instead of two); off: two custom calls. Other launchers run the two in turn either way. On by
@@ -228,7 +231,7 @@ class TritonTuning:
     pow2_head_blocks: bool = True
     sm90_fp8: bool = True
     sm90_split_q: bool | None = None
-    split_q_kernel: bool = False
+    split_q_kernel: bool = True
     split_acc: bool = False
     one_call: bool = True
 
@@ -266,7 +269,7 @@ class TritonTuning:
             pow2_head_blocks=env.read_flag("JAX_MLA_TRITON_POW2_HEAD_BLOCKS", True),
             sm90_fp8=env.read_flag("JAX_MLA_TRITON_SM90_FP8", True),
             sm90_split_q=env.read_flag("JAX_MLA_TRITON_SM90_SPLIT_Q", None),
-            split_q_kernel=env.read_flag("JAX_MLA_TRITON_SPLIT_Q_KERNEL", False),
+            split_q_kernel=env.read_flag("JAX_MLA_TRITON_SPLIT_Q_KERNEL", True),
             split_acc=env.read_flag("JAX_MLA_TRITON_SPLIT_ACC", False),
             one_call=env.read_flag("JAX_MLA_TRITON_ONE_CALL", True),
         )
