@@ -407,8 +407,8 @@ SPLIT_Q_LSE_TOL = 2.5e-2
     (16, 5, 1, "bfloat16", "float8_e5m2"), (32, 2, 128, "float16", "float8_e4m3fn")])
 def test_sm90_split_query_kernel_meets_the_oracle(rng, monkeypatch, num_heads, qlen, page_size,
                                                   q_dtype, kv_dtype):
-    """A 16-bit query against an fp8 cache through the Gluon fp8 kernel, the query split by
-    XLA into two e4m3 parts and a power-of-two scale a row
+    """A 16-bit query against an fp8 cache through the Gluon fp8 kernel, the query split into
+    two e4m3 parts and a power-of-two scale a row
     (``JAX_MLA_TRITON_SM90_SPLIT_Q``, forced on), on the long ragged requests of the fp8 case
     above, with a cache scale and rows of very different magnitudes (one head's query 2^-12 of
     the others), the split made by the Triton split kernel: against the oracle, LSE included,

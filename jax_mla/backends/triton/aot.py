@@ -79,7 +79,7 @@ def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
     """Compile a Gluon sm_90 decode kernel as the backend would (no GPU needed): the bf16 one,
     or with ``fp8`` (the cache's Triton type, ``fp8e4nv`` or ``fp8e5``) the fp8 one with both
     scales, for an e4m3 query (``query``, the default) or a 16-bit one (``"bf16"``/``"fp16"``,
-    split by XLA in two e4m3 parts, which the kernel takes).
+    split in two e4m3 parts before it, which the kernel takes).
 
     Returns ``{"shared": bytes, "num_warps": total warps, "wgmma": {shape: count in the PTX},
     "ptx": str, "config": KernelConfig}``. Needs TRITON_INTERPRET unset.
