@@ -42,7 +42,7 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
 - ``JAX_MLA_TRITON_SPLIT_Q_KERNEL=0``: that split made by XLA ops rather than one Triton kernel
   (the same values; the kernel is the default since it was timed on an H100).
 - ``JAX_MLA_TRITON_SPLIT_ACC=1``: with that split, the low part's products summed in an
-  accumulator of their own and added after the MMAs (an LSE error 3-5x smaller for 1.6-2.4 %
+  accumulator of their own and added after the MMAs (an LSE error 3.2-5.5x smaller for 1.6-2.4 %
   more GPU time on an H100; off by default).
 - ``JAX_MLA_TRITON_ONE_CALL=0``: the decode kernel and its reduce as two custom calls rather
   than one launch sequence (``launch.triton_sequence``, the default since it ran on an H200).
