@@ -14,7 +14,7 @@ answer is known, so that one run says which read or which value goes wrong:
 - ``lo_zero`` / ``zero_lo``: the low part alone, in one buffer and the other (equal to each
   other bit for bit);
 - ``real_acc2``: the parts as made, the low part's products summed apart and then added
-  (``SPLIT_ACC``; the oracle's answer).
+  (``TritonTuning.split_acc``, the kernel's ``SPLIT_ACC``; the oracle's answer).
 
 It also checks that the parts come back as the query on the device (``s (hi + lo)``), and
 records each variant's LSE error against the oracle's (the question the split path's LSE bound
@@ -67,13 +67,14 @@ def _variants(split):
     }
 
 
-EXTRA_CONSTEXPRS = {"real_acc2": {"SPLIT_ACC": True}}  # the kernel's variant, by name
+EXTRA_TUNING = {"real_acc2": {"split_acc": True}}  # the kernel's variant, by name
 
 
-def split_metadata(table, lens, shape, q_dtype, kv_dtype):
-    """The step's metadata planned for the Gluon fp8 kernel with the query split (forced),
-    or a clear error where the plan takes another kernel (off Hopper, or a route that changed):
-    the probe means nothing unless its parts reach that kernel."""
+def split_metadata(table, lens, shape, q_dtype, kv_dtype, **tuning):
+    """The step's metadata planned for the Gluon fp8 kernel with the query split (forced) by
+    XLA's ops (whose function the variants replace), ``tuning``'s other fields set, or a clear
+    error where the plan takes another kernel (off Hopper, or a route that changed): the probe
+    means nothing unless its parts reach that kernel."""
     import jax_mla
     from jax_mla.backends.triton import TritonTuning
 
@@ -81,7 +82,7 @@ def split_metadata(table, lens, shape, q_dtype, kv_dtype):
                                        num_heads=shape.heads, q_dtype=q_dtype,
                                        kv_dtype=kv_dtype, backend="triton",
                                        tuning=TritonTuning(sm90_split_q=True,
-                                                           split_q_kernel=False))
+                                                           split_q_kernel=False, **tuning))
     if not md.plan.kernel.sm90:
         raise SystemExit(f"split probe: the plan for {shape.name} takes {md.plan.kernel}, not "
                          "the Gluon fp8 kernel (it needs a Hopper GPU)")
@@ -98,7 +99,6 @@ def main(argv=None) -> int:
     from jax_mla.testing import numpy_mla_decode, rel_err
 
     real = tdecode.split_query_e4m3
-    constexprs = tdecode.sm90_constexprs
     rows = []
     rng = np.random.default_rng(0)
     try:
@@ -115,14 +115,13 @@ def main(argv=None) -> int:
             row = dict(case=f"{shape.name} {np.asarray(lens).tolist()}",
                        split_rel_err=float(np.abs(back - qf).max() / np.abs(qf).max()),
                        lo_nonzero=float(np.mean(p[..., 576:] != 0)))
-            md = split_metadata(table, lens, shape, qb.dtype, kv.dtype)
             outs = {}
             for name, fn in _variants(real).items():
+                md = split_metadata(table, lens, shape, qb.dtype, kv.dtype,
+                                    **EXTRA_TUNING.get(name, {}))
                 traced = []
                 tdecode.split_query_e4m3 = (lambda q, _fn=fn, _seen=traced:
                                             _seen.append(1) or _fn(q))
-                extra = EXTRA_CONSTEXPRS.get(name, {})
-                tdecode.sm90_constexprs = (lambda *a, _x=extra, **k: constexprs(*a, **k) | _x)
                 jax.clear_caches()
                 out, lse = jax.jit(lambda q, c, m, _s=kv_scale: jax_mla.mla_attention(
                     q, c, m, scale=DEEPSEEK_SCALE, backend="triton", kv_lora_rank=512,
@@ -144,7 +143,6 @@ def main(argv=None) -> int:
             rows.append(row)
     finally:
         tdecode.split_query_e4m3 = real
-        tdecode.sm90_constexprs = constexprs
     if argv:
         with open(argv[0], "w") as f:
             json.dump(rows, f, indent=1)

@@ -98,8 +98,7 @@ def sm90_compile_report(num_heads: int, qlen: int = 1, page_size: int = 64, *,
     types = {}
     if fp8 is not None:
         split = not query.startswith("fp8")
-        consts |= dict(HAS_KV_SCALE=True, HAS_Q_SCALE=not split, SPLIT_Q=split)
-        consts.setdefault("SPLIT_ACC", False)
+        consts |= dict(HAS_KV_SCALE=True, HAS_Q_SCALE=not split, SPLIT_Q=split, SPLIT_ACC=False)
         types = dict(q="fp8e4nv" if split else query, kv=fp8)  # split: the two e4m3 parts
     cc, _ = compile_for_target(_sm90_kernel(fp8 is not None),
                                **_decode_signature(consts, **types),

@@ -167,9 +167,8 @@ def decode(q, kv_cache, md, *, plan: TritonPlan, scale: float, q_scale, kv_scale
                     q, row_scales = split_query_e4m3(q)
                     scales = jnp.concatenate([scales, row_scales])
             consts |= dict(HAS_KV_SCALE=has_scale, HAS_Q_SCALE=fp8_qk and q_scale is not None,
-                           SPLIT_Q=split)
-            consts.setdefault("SPLIT_ACC", split and plan.tuning is not None
-                              and plan.tuning.split_acc)
+                           SPLIT_Q=split, SPLIT_ACC=split and plan.tuning is not None
+                           and plan.tuning.split_acc)
     else:
         kernel = _kernels().mla_decode_kernel
         consts = decode_constexprs(cfg, **shape, has_kv_scale=has_scale, upcast=upcast,
