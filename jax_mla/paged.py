@@ -99,6 +99,24 @@ class DecodeMetadata:
     def replace(self, **kw) -> DecodeMetadata:
         return dataclasses.replace(self, **kw)
 
+    def with_page_offset(self, offset) -> DecodeMetadata:
+        """The same metadata addressing pages ``offset`` further on (an int or int32 scalar,
+        traced or not): every page index of the block table and the page-level view moves by
+        ``offset`` and every flat slot by ``offset * page_size``; -1 tails stay -1.
+
+        A model whose layers share one cache array ``[num_layers * num_pages, ...]`` (layer
+        ``i`` owning pages ``i * num_pages ..``) builds the step's metadata once and reads layer
+        ``i`` through ``md.with_page_offset(i * num_pages)``: no per-layer metadata, and no copy
+        of the layer's cache for the kernels (they index the whole array)."""
+        def shift(a, by):
+            return None if a is None else jnp.where(a >= 0, a + by, a).astype(a.dtype)
+
+        offset = jnp.asarray(offset, jnp.int32)
+        return self.replace(block_table=shift(self.block_table, offset),
+                            page_indices=shift(self.page_indices, offset),
+                            paged_kv_indices=shift(self.paged_kv_indices,
+                                                   offset * self.page_size))
+
 
 _META = ("qlen", "page_size", "plan")
 _DATA = [f.name for f in dataclasses.fields(DecodeMetadata) if f.name not in _META]

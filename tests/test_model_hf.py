@@ -209,3 +209,22 @@ def test_loader_errors():
     p = params_from_hf(full, cfg, prefix=jax_mla.model.attention_prefix(3), dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(p["kv_b_proj"]["w"]).reshape(L, -1),
                                   sd["kv_b_proj.weight"].numpy().T)
+
+
+# On a GPU the layer's float32 dots run at precision HIGHEST and its decode rows through the GPU
+# kernels, whose float32 sums round in another order than transformers' CPU ones: stated
+# tolerance 1e-4 (the CPU's is 1e-5).
+GPU_FP32_TOL = 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+def test_layer_on_the_gpu_matches_transformers_fp32_on_the_cpu(backend, rng):
+    """The layer on the GPU (the default route: the Triton kernels through our FFI launcher)
+    against transformers' float32 on the CPU: prefill, mixed, decode and verify."""
+    from jax_mla.problem import current_platform
+
+    if current_platform() not in ("cuda", "rocm"):
+        pytest.skip("needs a GPU (jax's default device)")
+    errs = run_scenario(24, True, YARN, jnp.float32, rng, backend=backend)
+    assert max(errs.values()) < GPU_FP32_TOL, errs

@@ -11,44 +11,18 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import sys
 import tempfile
 
-import jax
 import numpy as np
 
 import jax_mla
 from jax_mla.bench import decode, profile, timing
-from jax_mla.bench.timing import ceilings
-from jax_mla.problem import current_platform
+from jax_mla.bench.timing import ceilings, environment
 
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "jax_mla_bench")
-
-def environment() -> dict:
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(jax.devices()[0].device_kind),
-        "platform": current_platform(),
-        "num_sms": getattr(jax.devices()[0], "core_count", None),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jax_mla": jax_mla.__version__,
-    }
-    # Installed versions, read without importing: importing triton here would fix its mode
-    # before jax_mla chooses the interpreter on CPU (TRITON_INTERPRET is read at import).
-    for key, dist in (("jaxlib", "jaxlib"), ("triton", "triton"), ("jax_triton", "jax-triton"),
-                      ("torch", "torch")):
-        try:
-            env[key] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            env[key] = None
-    return env
-
 
 def print_table(rows, cols):
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
@@ -98,6 +72,11 @@ def plot(rows, path):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # the served model (jax_mla/bench/serve.py)
+        from jax_mla.bench import serve
+
+        return serve.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m jax_mla.bench")
     p.add_argument("--backends", default=None, help="comma list (default: all available)")
     p.add_argument("--quick", action="store_true", help="a few small shapes (smoke test)")

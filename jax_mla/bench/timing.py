@@ -36,12 +36,18 @@ and figures above any datasheet are flagged: a broken chain shows there first.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import importlib.metadata
+import platform
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+
+import jax_mla
+from jax_mla.problem import current_platform
 
 
 def _dependency(out_leaf):
@@ -254,3 +260,24 @@ def ceilings() -> dict:
         warnings.warn(f"implausible ceilings (copy {copy:.3g} B/s, matmul {matmul:.3g} FLOP/s): "
                       f"the timing chain is broken", stacklevel=2)
     return {"copy_bytes_per_s": copy, "bf16_matmul_flops": matmul, "plausible": plausible}
+
+
+def environment() -> dict:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(jax.devices()[0].device_kind),
+        "platform": current_platform(),
+        "num_sms": getattr(jax.devices()[0], "core_count", None),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_mla": jax_mla.__version__,
+    }
+    # Installed versions, read without importing: importing triton here would fix its mode
+    # before jax_mla chooses the interpreter on CPU (TRITON_INTERPRET is read at import).
+    for key, dist in (("jaxlib", "jaxlib"), ("triton", "triton"), ("jax_triton", "jax-triton"),
+                      ("torch", "torch")):
+        try:
+            env[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            env[key] = None
+    return env

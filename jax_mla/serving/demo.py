@@ -17,11 +17,12 @@ import numpy as np
 from jax_mla.backends import available_backends
 from jax_mla.model import MLAConfig, YarnScaling
 from jax_mla.model.transformer import ModelConfig, calibrate_kv_scales, init_model
-from jax_mla.serving.engine import Engine, EngineConfig, Request
+from jax_mla.serving.engine import Engine, EngineConfig, Request, check_tolerance
+from jax_mla.serving.metrics import format_summary, summarize
 
 # An fp8 cache against the same model with an unquantised cache: logits rel err on the demo's
 # model, measured 1.7e-2 (e4m3fn) and 3.4e-2 (e5m2) (docs/model.md).
-FP8_CHECK_TOL = 8e-2
+FP8_CHECK_TOL = check_tolerance(jnp.float32, cache_dtype=jnp.float8_e4m3fn)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +62,6 @@ def build(args, rng=None):
                       mlp_hidden=2 * args.hidden)
     dtype = jnp.dtype(args.dtype)
     params = init_model(cfg, jax.random.key(args.seed or 0), dtype)
-    tol = 1e-4 if dtype == jnp.float32 else 5e-2
     k_scales = None
     if args.cache_dtype:
         # Calibrate on prompts like the served ones (the served requests are not seen).
@@ -69,13 +69,12 @@ def build(args, rng=None):
         sample = rng.integers(0, args.vocab, (4, args.prompt)).astype(np.int32)
         k_scales = calibrate_kv_scales(params, cfg, jnp.asarray(sample),
                                        fp8_dtype=jnp.dtype(args.cache_dtype), margin=1.25)
-        tol = FP8_CHECK_TOL
     ecfg = EngineConfig(
         num_pages=args.num_pages, page_size=args.page_size,
         max_seq_len=4 * (args.prompt + args.new_tokens) + args.spec, max_decode=args.max_decode,
         max_prefill_seqs=2, prefill_tokens=args.prefill_tokens, spec_tokens=args.spec,
         workspace_tokens=4 * args.prefill_tokens, backend=args.backend,
-        check_every=args.check_every, check_tol=tol, cache_dtype=args.cache_dtype)
+        check_every=args.check_every, cache_dtype=args.cache_dtype)
     return Engine(params, cfg, ecfg, dtype=dtype, k_scales=k_scales)
 
 
@@ -90,7 +89,11 @@ def make_requests(args, rng) -> list[Request]:
 
 
 def serve(engine: Engine, requests: list[Request], arrivals: int, progress: bool = True):
-    """Run until every request finishes; returns ``(reports, wall seconds)``."""
+    """Run until every request finishes; returns ``(reports, wall seconds)``.
+
+    ``arrivals`` requests are submitted before each step (a stream). Reports are those of the
+    steps whose ids were read (``Engine.step``).
+    """
     pending = list(requests)
     total = sum(r.max_new_tokens for r in requests)
     bar = None
@@ -105,6 +108,8 @@ def serve(engine: Engine, requests: list[Request], arrivals: int, progress: bool
             if pending:
                 engine.submit(pending.pop(0))
         rep = engine.step()
+        if rep is None:
+            continue
         reports.append(rep)
         if bar is not None:
             bar.update(rep.new_tokens)
@@ -132,18 +137,18 @@ def main(args) -> int:
         print("fp8 cache scales per layer (calibrated): "
               + ", ".join(f"{float(s):.3g}" for s in engine.k_scales))
     requests = make_requests(args, rng)
+    engine.compile(progress=not args.no_progress)
     reports, wall = serve(engine, requests, args.arrivals, progress=not args.no_progress)
     toks = sum(r.new_tokens for r in reports)
     kinds = {k: sum(r.kind == k for r in reports) for k in ("prefill", "mixed", "decode",
                                                           "verify")}
-    # Steady state: each step shape compiles on its first use; leave the slowest steps out.
-    times = sorted(r.seconds for r in reports if r.kind != "idle")
-    steady = sum(times[: max(1, len(times) - 4)])
-    steady_toks = toks * steady / max(sum(times), 1e-9)
     print(f"{len(engine.finished)} requests, {toks} tokens in {len(reports)} steps "
-          f"({', '.join(f'{v} {k}' for k, v in kinds.items() if v)}); {wall:.2f} s wall")
-    print(f"throughput {toks / wall:.1f} tokens/s with compilation, "
-          f"{steady_toks / max(steady, 1e-9):.1f} tokens/s steady state")
+          f"({', '.join(f'{v} {k}' for k, v in kinds.items() if v)}); {wall:.2f} s wall, "
+          f"{engine.compiles_since_warmup} compilations while serving")
+    if engine.check_seconds:
+        print(f"the checks' recomputes took {engine.check_seconds:.2f} s of it: "
+              f"{toks / max(wall - engine.check_seconds, 1e-9):.1f} tokens/s without them")
+    print(format_summary(summarize(engine.finished, reports, wall)))
     if args.spec:
         acc = sum(r.accepted_drafts for r in engine.finished)
         prop = sum(r.proposed_drafts for r in engine.finished)
