@@ -6,7 +6,8 @@
 # .peers/flashmla (benchmarks/README.md), FlashMLA for the peer, in the background; with DEMO=1
 # runs `python -m jax_mla demo` (its exit status goes to $OUT/demo.txt) meanwhile. Each preset
 # runs in its own process (a fresh device memory pool each) and adds its entry to
-# $OUT/serve.json; the console output goes to $OUT/serve.log.
+# $OUT/serve.json (at most PRESET_TIMEOUT seconds each, default 900); the console output goes to
+# $OUT/serve.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/jax_mla_serve}
 mkdir -p "$OUT"
@@ -25,14 +26,15 @@ if ! ls jax_mla/_triton_launch*.so > /dev/null 2>&1; then
   python3 setup.py -q build_ext --inplace > "$OUT/launcher_build.log" 2>&1 || echo "launcher build failed"
 fi
 if [ "${DEMO:-0}" = 1 ]; then
-  { time python3 -m jax_mla demo --no-progress; echo "demo rc=$?"; } > "$OUT/demo.txt" 2>&1
+  { time timeout 150 python3 -m jax_mla demo --no-progress; echo "demo rc=$?"; } \
+    > "$OUT/demo.txt" 2>&1
   tail -5 "$OUT/demo.txt"
 fi
 [ -n "$fm" ] && { wait $fm; tail -1 "$OUT/flashmla_build.log"; }
 presets=${1:-tiny}
 shift || true
 for p in ${presets//,/ }; do
-  python3 -m jax_mla.bench serve --preset "$p" --out "$OUT/serve.json" --no-progress "$@" \
-    2>&1 | tee -a "$OUT/serve.log"
+  timeout "${PRESET_TIMEOUT:-900}" python3 -m jax_mla.bench serve --preset "$p" \
+    --out "$OUT/serve.json" --no-progress "$@" 2>&1 | tee -a "$OUT/serve.log"
 done
 exit 0

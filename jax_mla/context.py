@@ -78,8 +78,12 @@ def gather_context_chunk(kv_cache, block_table, context_lens, chunk, budget, wor
     return jnp.where(valid[:, None], rows, 0.0), cu_k
 
 
-def _check_prefill_inputs(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu_seqlens,
-                          kv_b_proj, workspace_tokens):
+def check_prefill_shapes(q, kv_c, k_pe, kv_cache, kv_b_proj, cu_seqlens, num_requests: int,
+                         workspace_tokens):
+    """Static checks shared by the one-device and DCP prefill over cached context.
+
+    Returns ``(k_pe [T, R], nope)``; raises naming the argument. ``num_requests`` is ``B``.
+    """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, H, P + R], got shape {tuple(q.shape)}")
     if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
@@ -105,27 +109,41 @@ def _check_prefill_inputs(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu
             f"kv_b_proj must be [L={lrank}, H={h}, P + V] with P={nope} and V >= 1, got shape "
             f"{tuple(kv_b_proj.shape)}"
         )
-    if block_table.ndim != 2:
-        raise ValueError(
-            f"block_table must be [B, max_pages], got shape {tuple(block_table.shape)}")
-    b = block_table.shape[0]
-    if context_lens.shape != (b,):
-        raise ValueError(f"context_lens must be [B={b}], got shape {tuple(context_lens.shape)}")
-    for name, a in (("block_table", block_table), ("context_lens", context_lens)):
-        if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array (int32), got {a.dtype}")
+    b = num_requests
     if cu_seqlens.shape != (b + 1,):
         raise ValueError(
             f"cu_seqlens must be [B + 1 = {b + 1}], got shape {tuple(cu_seqlens.shape)}")
     check_cu_seqlens(cu_seqlens, t, "cu_seqlens")
-    checks.seq_lens_in_capacity(context_lens, block_table.shape[1] * kv_cache.shape[1],
-                                name="context_lens")
-    checks.pages_in_cache(block_table, context_lens, kv_cache.shape[1], kv_cache.shape[0])
     if not isinstance(workspace_tokens, int) or workspace_tokens < b:
         raise ValueError(
             f"workspace_tokens must be an int >= B={b} (each request with context needs a chunk "
             f"budget of at least one token), got {workspace_tokens!r}"
         )
+    return k_pe, nope
+
+
+def check_context_lens(context_lens, b: int):
+    """``context_lens`` must be an int ``[B]``."""
+    if context_lens.shape != (b,):
+        raise ValueError(f"context_lens must be [B={b}], got shape {tuple(context_lens.shape)}")
+    if not jnp.issubdtype(context_lens.dtype, jnp.integer):
+        raise TypeError(f"context_lens must be an integer array (int32), got {context_lens.dtype}")
+
+
+def _check_prefill_inputs(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu_seqlens,
+                          kv_b_proj, workspace_tokens):
+    if block_table.ndim != 2:
+        raise ValueError(
+            f"block_table must be [B, max_pages], got shape {tuple(block_table.shape)}")
+    if not jnp.issubdtype(block_table.dtype, jnp.integer):
+        raise TypeError(f"block_table must be an integer array (int32), got {block_table.dtype}")
+    b = block_table.shape[0]
+    check_context_lens(context_lens, b)
+    k_pe, nope = check_prefill_shapes(q, kv_c, k_pe, kv_cache, kv_b_proj, cu_seqlens, b,
+                                      workspace_tokens)
+    checks.seq_lens_in_capacity(context_lens, block_table.shape[1] * kv_cache.shape[1],
+                                name="context_lens")
+    checks.pages_in_cache(block_table, context_lens, kv_cache.shape[1], kv_cache.shape[0])
     return k_pe, nope
 
 
@@ -200,13 +218,10 @@ def mla_prefill_with_context(
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "workspace_tokens", "nope", "backend",
-                                             "target", "max_seqlen", "config", "fp8"))
-def _prefill_with_context(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu_seqlens,
-                          kv_b_proj, k_scale, *, scale, workspace_tokens, nope, backend,
-                          target, max_seqlen, config, fp8):
-    t, h, _ = q.shape
-    lrank = kv_c.shape[1]
+def prefill_attend(q, cu_seqlens, *, scale, backend, target, max_seqlen, config, fp8):
+    """``attend(k, v, cu_k, causal) -> (out [T, H, V], lse [T, H] float32)`` of the queries
+    ``q [T, H, P + R]`` (packed by ``cu_seqlens``) against keys packed by ``cu_k`` (None: like
+    the queries). ``fp8``: the fp8 dtype name q, k, v are quantised to per call, or None."""
     q_in = q if fp8 is None else quantize_per_tensor(q, fp8)
 
     def attend(k, v, cu_k, causal):
@@ -221,9 +236,25 @@ def _prefill_with_context(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu
                                  backend=backend, target=target, max_seqlen=max_seqlen,
                                  config=config, scales=scales)
 
-    k, v = up_project(kv_c, k_pe, kv_b_proj, nope, q.dtype)
-    out_new, lse_new = attend(k, v, None, causal=True)
+    return attend
 
+
+def context_attention(attend, kv_cache, block_table, context_lens, kv_b_proj, k_scale, *,
+                      num_rows: int, workspace_tokens: int, nope: int, dtype):
+    """The new tokens' attention over their cached context alone (§9.4 step 2), chunk by chunk.
+
+    Args:
+      attend: :func:`prefill_attend` of the new tokens' queries (``num_rows`` rows, ``H``
+        heads).
+      kv_cache: ``[num_pages, page_size, L + R]``; block_table ``[B, max_pages]``;
+        context_lens ``[B]`` int32 (0: none); kv_b_proj ``[L, H, P + V]``.
+      dtype: the up-projected keys' and values' dtype (the queries').
+    Returns:
+      ``(out [T, H, V] float32, lse [T, H] float32)``; rows of requests without context: out 0,
+      lse ``-inf``. The loop runs ``ceil(max(context_lens) / C)`` times at run time, ``C =
+      workspace_tokens // (requests with context)``.
+    """
+    lrank, h, pv = kv_b_proj.shape
     context_lens = jnp.maximum(context_lens.astype(jnp.int32), 0)
     with_context = jnp.sum(context_lens > 0, dtype=jnp.int32)
     budget = workspace_tokens // jnp.maximum(with_context, 1)
@@ -232,12 +263,28 @@ def _prefill_with_context(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu
     def chunk(i, carry):
         rows, cu_k = gather_context_chunk(kv_cache, block_table, context_lens, i, budget,
                                           workspace_tokens, k_scale)
-        kc, vc = up_project(rows[:, :lrank], rows[:, lrank:], kv_b_proj, nope, q.dtype)
+        kc, vc = up_project(rows[:, :lrank], rows[:, lrank:], kv_b_proj, nope, dtype)
         o, lse = attend(kc, vc, cu_k, causal=False)
         return merge_attn_states(carry[0], carry[1], o.astype(jnp.float32), lse)
 
-    init = (jnp.zeros(out_new.shape, jnp.float32), jnp.full((t, h), -jnp.inf, jnp.float32))
-    out_ctx, lse_ctx = jax.lax.fori_loop(0, num_chunks, chunk, init)
+    init = (jnp.zeros((num_rows, h, pv - nope), jnp.float32),
+            jnp.full((num_rows, h), -jnp.inf, jnp.float32))
+    return jax.lax.fori_loop(0, num_chunks, chunk, init)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "workspace_tokens", "nope", "backend",
+                                             "target", "max_seqlen", "config", "fp8"))
+def _prefill_with_context(q, kv_c, k_pe, kv_cache, block_table, context_lens, cu_seqlens,
+                          kv_b_proj, k_scale, *, scale, workspace_tokens, nope, backend,
+                          target, max_seqlen, config, fp8):
+    attend = prefill_attend(q, cu_seqlens, scale=scale, backend=backend, target=target,
+                            max_seqlen=max_seqlen, config=config, fp8=fp8)
+    k, v = up_project(kv_c, k_pe, kv_b_proj, nope, q.dtype)
+    out_new, lse_new = attend(k, v, None, causal=True)
+    out_ctx, lse_ctx = context_attention(attend, kv_cache, block_table, context_lens, kv_b_proj,
+                                         k_scale, num_rows=q.shape[0],
+                                         workspace_tokens=workspace_tokens, nope=nope,
+                                         dtype=q.dtype)
     out, lse = merge_attn_states(out_ctx, lse_ctx, out_new.astype(jnp.float32), lse_new)
     return out.astype(q.dtype), lse
 

@@ -281,9 +281,8 @@ def profile_bucket(engine: Engine, bucket, calls: int = 10) -> dict:
     fn = engine._compiled[tuple(bucket)]
     inputs = rec["inputs"]
     feed = np.full(inputs.tokens.shape, -1, np.int32)
-    sampling = engine._sampling_inputs(rec["ids"].shape[0] and
-                                       bucket[0] * engine.qlen + (engine.ecfg.max_prefill_seqs
-                                                                  if bucket[1] else 0))
+    rows = bucket[0] * engine.qlen + (engine.ecfg.max_prefill_seqs if bucket[1] else 0)
+    sampling = engine._sampling_inputs(rows)
 
     def once():
         ids, _, engine.caches = fn(*engine._args(inputs, feed, sampling, 0))

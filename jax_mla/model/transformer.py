@@ -30,6 +30,7 @@ from jax_mla.metadata import build_decode_metadata
 from jax_mla.model.config import MLAConfig
 from jax_mla.model.layer import (
     AttentionBatch,
+    _precision,
     init_params,
     mla_layer,
     output_projection,
@@ -101,9 +102,15 @@ def init_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> jax.
     return jnp.full((cfg.num_layers, num_pages, page_size, cfg.cache_width), jnp.nan, dtype)
 
 
+def _dot(x, w):
+    # float32 models multiply in float32 on every platform (GPUs' default is TF32), as the
+    # attention layer's projections do.
+    return jnp.dot(x, w, precision=_precision(x.dtype))
+
+
 def _mlp(p, x):
-    g, u = jnp.split(x @ p["gate_up"], 2, axis=-1)
-    return (jax.nn.silu(g) * u) @ p["down"]
+    g, u = jnp.split(_dot(x, p["gate_up"]), 2, axis=-1)
+    return _dot(jax.nn.silu(g) * u, p["down"])
 
 
 @jax.tree_util.register_dataclass
@@ -212,7 +219,8 @@ def forward(params, cfg: ModelConfig, caches, step: StepInputs, *, qlen: int,
 
 
 def _logits(params, x):
-    return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.dot(x, params["lm_head"], precision=_precision(x.dtype),
+                   preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "qlen", "workspace_tokens", "backend",
