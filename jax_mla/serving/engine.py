@@ -215,6 +215,7 @@ class StepReport:
     bucket: tuple[int, int] = (0, 0)  # (B_d, T_p) of the compiled step
     kv_tokens: int = 0  # cached tokens the decode rows read (one layer)
     step: int = 0
+    host_seconds: float = 0.0  # the host's scheduling, inputs and dispatch of the step
 
 
 @dataclasses.dataclass
@@ -231,6 +232,7 @@ class _InFlight:
     logits: jax.Array
     dispatched: float
     kv_tokens: int
+    host_seconds: float
 
 
 def _draft(tokens: list[int], k: int) -> list[int]:
@@ -522,6 +524,7 @@ class Engine:
         step's own time on the device plus the reading of its ids.
         """
         e, q = self.ecfg, self.qlen
+        t_host = time.perf_counter()
         decode, prefill = self._schedule()
         if not decode and not prefill:
             if self._inflight is not None:
@@ -545,12 +548,13 @@ class Engine:
         t0 = time.perf_counter()
         ids, logits, self.caches = self._compiled[bucket](
             *self._args(inputs, feed, sampling, self.steps))
+        host = time.perf_counter() - t_host  # scheduling, inputs and the dispatch
         self._prev_ids = ids
         kind = ("verify" if q > 1 else "decode") if decode else "prefill"
         if decode and prefill:
             kind = "mixed"
         flight = _InFlight(self.steps, kind, bucket, decode, drafts, prefill, inputs, feed, ids,
-                           logits, t0, kv_tokens)
+                           logits, t0, kv_tokens, host)
         # What the host can account for before the ids: cache positions, pending tokens.
         b_p = e.max_prefill_seqs if bucket[1] else 0
         for i, req in enumerate(decode):
@@ -645,7 +649,7 @@ class Engine:
         return StepReport(f.kind, len(f.decode) * q, sum(n for _, n in f.prefill), new,
                           seconds, check, running=len(self.running), waiting=len(self.waiting),
                           pages_used=self.pages.num_used_pages, bucket=f.bucket,
-                          kv_tokens=f.kv_tokens, step=f.step)
+                          kv_tokens=f.kv_tokens, step=f.step, host_seconds=f.host_seconds)
 
     # --- the per-step check --------------------------------------------------------------------
 

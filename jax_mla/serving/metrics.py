@@ -8,7 +8,9 @@ Every request keeps its arrival time and the time each of its tokens reached the
 - ``ttft_ms``: time to first token (arrival to the first generated token on the host);
 - ``itl_ms``: inter-token latency (between consecutive tokens of a request; a verify step that
   yields several tokens at once gives gaps of 0 for the extra ones, as vLLM counts them);
-- ``steps``: step time per kind and bucket (count, mean, p50, p90).
+- ``steps``: step time per kind and bucket (count, mean, p50, p90), and the host's time to
+  schedule, build and send a step (``host_ms_p50``: with overlap it runs while the device runs
+  the previous step, so it costs nothing while it is shorter than that).
 
 Percentiles are p50 / p90 / p99 (NumPy's linear interpolation).
 """
@@ -51,6 +53,7 @@ def step_table(reports) -> list[dict]:
         rows.append(dict(kind=kind, bucket=list(bucket), steps=len(reps),
                          ms_mean=float(ms.mean()), ms_p50=float(np.median(ms)),
                          ms_p90=float(np.percentile(ms, 90)),
+                         host_ms_p50=float(np.median([r.host_seconds for r in reps]) * 1e3),
                          rows=float(np.mean([r.decode_rows + r.prefill_tokens for r in reps])),
                          kv_tokens=float(np.mean([r.kv_tokens for r in reps]))))
     return rows
@@ -78,11 +81,12 @@ def format_summary(s: dict) -> str:
              f"{s['tokens_per_s']:.1f} output tokens/s, {s['total_tokens_per_s']:.1f} total",
              f"TTFT ms p50/p90/p99: {pct(s['ttft_ms'])};  ITL ms p50/p90/p99: "
              f"{pct(s['itl_ms'])}",
-             f"{'kind':<8} {'bucket (B_d, T_p)':>18} {'steps':>6} {'ms p50':>8} {'ms p90':>8}"
+             f"{'kind':<8} {'bucket (B_d, T_p)':>18} {'steps':>6} {'ms p50':>8} {'ms p90':>8} "
+             f"{'host ms':>8}"
              + (f" {'roofline':>9}" if any("roofline_fraction" in r for r in s["steps"]) else "")]
     for r in s["steps"]:
         frac = r.get("roofline_fraction")
         lines.append(f"{r['kind']:<8} {str(tuple(r['bucket'])):>18} {r['steps']:>6} "
-                     f"{r['ms_p50']:8.3f} {r['ms_p90']:8.3f}"
+                     f"{r['ms_p50']:8.3f} {r['ms_p90']:8.3f} {r['host_ms_p50']:8.3f}"
                      + (f" {frac:9.2f}" if frac is not None else ""))
     return "\n".join(lines)
