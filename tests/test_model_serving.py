@@ -50,17 +50,7 @@ def _requests(seed, n, prompt=(3, 20), new=(2, 8), **kw):
 
 
 def _serve(engine, reqs, arrivals=2):
-    pending, reports, calls = list(reqs), [], 0
-    while pending or not engine.idle:
-        for _ in range(arrivals):
-            if pending:
-                engine.submit(pending.pop(0))
-        rep = engine.step()
-        if rep is not None:
-            reports.append(rep)
-        calls += 1
-        assert calls < 400
-    return reports
+    return engine.serve(reqs, arrivals, max_calls=400)[0]
 
 
 def _mixed_step(rng, page_size=8, pages=6):

@@ -128,19 +128,6 @@ def trace(p: Preset) -> list[Request]:
     return reqs
 
 
-def serve(engine: Engine, requests: list[Request], arrivals: int):
-    pending, reports = list(requests), []
-    t0 = time.perf_counter()
-    while pending or not engine.idle:
-        for _ in range(arrivals):
-            if pending:
-                engine.submit(pending.pop(0))
-        rep = engine.step()
-        if rep is not None:
-            reports.append(rep)
-    return reports, time.perf_counter() - t0
-
-
 # --- rooflines -----------------------------------------------------------------------------
 
 
@@ -341,7 +328,7 @@ def run(name: str, p: Preset, args) -> dict:
     build_s = time.perf_counter() - t0
     compile_s = engine.compile(progress=not args.no_progress)
     requests = trace(p)
-    reports, wall = serve(engine, requests, p.arrivals)
+    reports, wall = engine.serve(requests, p.arrivals)
     steady = engine.compiles_since_warmup
     summary = summarize(engine.finished, reports, wall)
     with_rooflines(engine, reports, summary, ceil)

@@ -8,7 +8,6 @@ verify), tokens/s, and a check of sampled steps against the same tokens recomput
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -89,36 +88,9 @@ def make_requests(args, rng) -> list[Request]:
 
 
 def serve(engine: Engine, requests: list[Request], arrivals: int, progress: bool = True):
-    """Run until every request finishes; returns ``(reports, wall seconds)``.
-
-    ``arrivals`` requests are submitted before each step (a stream). Reports are those of the
-    steps whose ids were read (``Engine.step``).
-    """
-    pending = list(requests)
-    total = sum(r.max_new_tokens for r in requests)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, unit="tok", desc="serving")
-    reports = []
-    t0 = time.perf_counter()
-    while pending or not engine.idle:
-        for _ in range(arrivals):
-            if pending:
-                engine.submit(pending.pop(0))
-        rep = engine.step()
-        if rep is None:
-            continue
-        reports.append(rep)
-        if bar is not None:
-            bar.update(rep.new_tokens)
-            s = engine.pages.stats()
-            bar.set_postfix(run=len(engine.running), wait=len(engine.waiting),
-                            pages=f"{s['pages_used']}/{s['usable_pages']}", step=rep.kind)
-    if bar is not None:
-        bar.close()
-    return reports, time.perf_counter() - t0
+    """Run until every request finishes; returns ``(reports, wall seconds)``
+    (:meth:`Engine.serve`)."""
+    return engine.serve(requests, arrivals, progress=progress)
 
 
 def main(args) -> int:

@@ -311,6 +311,41 @@ class Engine:
     def idle(self) -> bool:
         return not self.waiting and not self.running and self._inflight is None
 
+    def serve(self, requests, arrivals: int, *, progress: bool = False,
+              max_calls: int | None = None):
+        """Serve ``requests`` as a stream until every one finishes: ``arrivals`` of them are
+        submitted before each step. Returns ``(reports, wall seconds)``, the reports of the
+        steps whose ids were read (:meth:`step`). ``max_calls``: raise ``RuntimeError`` after
+        that many steps (a test's guard against an engine that stops making progress)."""
+        pending = list(requests)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=sum(r.max_new_tokens for r in pending), unit="tok", desc="serving")
+        reports, calls = [], 0
+        t0 = time.perf_counter()
+        while pending or not self.idle:
+            for _ in range(arrivals):
+                if pending:
+                    self.submit(pending.pop(0))
+            rep = self.step()
+            calls += 1
+            if max_calls is not None and calls > max_calls:
+                raise RuntimeError(f"no end after {max_calls} steps: {len(self.running)} "
+                                   f"running, {len(self.waiting)} waiting")
+            if rep is None:
+                continue
+            reports.append(rep)
+            if bar is not None:
+                bar.update(rep.new_tokens)
+                s = self.pages.stats()
+                bar.set_postfix(run=len(self.running), wait=len(self.waiting),
+                                pages=f"{s['pages_used']}/{s['usable_pages']}", step=rep.kind)
+        if bar is not None:
+            bar.close()
+        return reports, time.perf_counter() - t0
+
     # --- compilation ---------------------------------------------------------------------------
 
     def _bucket_for(self, n_decode: int, n_prefill_tokens: int) -> tuple[int, int]:
