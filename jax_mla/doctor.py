@@ -6,7 +6,9 @@ What it reports, each as a line that is ``ok``, ``warn`` (works, with a limit wo
 - the platform: jax and jaxlib, the default backend, its devices, the
   :class:`~jax_mla.problem.Target` plans are made for (architecture, SM or CU count);
 - the packages each path needs: triton (and which of its backends are installed), torch, AITER
-  (where it is, and whether its API matches the pinned manifest, ``backends/aiter/manifest.py``);
+  (where it is, and whether its API matches the pinned manifest, ``backends/aiter/manifest.py``;
+  which kernels of the known-bad table, ``backends/aiter/known_bad.py``, its kernel set has,
+  and the route taken instead);
 - the FFI launcher library (``ffi/``): found, registered, its driver reachable on this GPU;
 - on ROCm, AITER's asm decode, fp8 PS prefill, FlashAttention v3 prefill and Gluon decode
   kernels for this arch through our launcher (``backends/aiter/native.py``,
@@ -100,7 +102,46 @@ def _aiter_checks(platform: str) -> list[dict]:
                detail=(f"matches the manifest pinned at ROCm/aiter {pinned}" if not found else
                        f"{len(found)} difference(s) from ROCm/aiter {pinned}: "
                        + "; ".join(found[:5])))
-    return [row]
+    return [row, *_known_bad_checks(platform)]
+
+
+def _known_bad_checks(platform: str) -> list[dict]:
+    """One line per kernel of the known-bad table that the kernel set plans read has (the
+    installed AITER's ``mla_asm.csv``, or the static table where none is found): the kernel,
+    the issue, and the route taken instead (or that the override or a fixed version keeps it).
+    Off ROCm every arch the table names is checked."""
+    from jax_mla.backends.aiter import bridge, known_bad, native
+    from jax_mla.backends.aiter import capabilities as caps
+
+    arch = caps.detect_arch() if platform == "rocm" else None
+    arches = (arch,) if arch else tuple(sorted({row.arch for row in known_bad.KNOWN_BAD}))
+    try:
+        allowed = known_bad.allowed_kernels()
+    except ValueError as e:
+        return [dict(check="AITER known-bad kernels", status=FAIL, detail=str(e))]
+    version = bridge.installed_version()
+    said = f"AITER {version}" if version else "AITER's version unknown (taken as affected)"
+    rows = []
+    for a in arches:
+        kernels = native.installed_kernel_set(a)
+        for row in known_bad.present_in(kernels):
+            if not known_bad.affects_version(row, version):
+                status, then = OK, f"fixed from {row.fixed_in}: routes launch it"
+            elif row.kernel in allowed:
+                status, then = WARN, (f"{known_bad.ALLOW_ENV} allows it: routes of that shape "
+                                      "launch it")
+            else:
+                status, then = WARN, (f"routes of that shape run {row.instead()} instead "
+                                      f"({known_bad.ALLOW_ENV}={row.kernel} keeps it)")
+            rows.append(dict(check=f"AITER known-bad kernel ({a})", status=status,
+                             detail=f"{row.kernel} ({row.shape()}) is in {kernels.source}; "
+                                    f"{row.issue}: {row.symptom}; {said}; {then}"))
+    if not rows:
+        rows.append(dict(check="AITER known-bad kernels", status=OK,
+                         detail=f"none of the {len(known_bad.KNOWN_BAD)} kernel(s) of "
+                                f"backends/aiter/known_bad.py is in the {', '.join(arches)} "
+                                "kernel set(s) plans read"))
+    return rows
 
 
 def _launcher_checks(target) -> list[dict]:

@@ -57,6 +57,9 @@ The table (``docs/tuning.md`` has it too); Triton decode knobs override the rule
   first call (possibly inside XLA's capture of a command buffer; a knob to check that path).
 - ``JAX_MLA_CACHE_DIR``: where compiled kernels are kept (default ``~/.cache/jax_mla``).
 - ``JAX_MLA_AITER_SMALL_HEAD_MODE``: AITER below 16 heads, ``auto`` (default), ``gluon``, ``asm``.
+- ``JAX_MLA_AITER_ALLOW_KNOWN_BAD``: AITER kernels of the known-bad table
+  (``backends/aiter/known_bad.py``) that routes may launch anyway: comma-separated kernel names,
+  or ``all`` (for an AITER with the fix); unset: each is routed around.
 - ``JAX_MLA_POISON_OUTPUTS=1``: interpreted (CPU) kernels see their outputs filled with NaN / -1
   before they run (tests; read at run time, not planning).
 - ``TRITON_INTERPRET``: Triton's own switch; on a CPU host jax_mla sets it to ``1`` when triton
@@ -104,7 +107,7 @@ ENV_VARS = (
     "JAX_MLA_FFI_INITIALIZE_STAGE", "JAX_MLA_FFI_EMBED_BINARIES",
     "JAX_MLA_FFI_PRELOAD",
     "JAX_MLA_CACHE_DIR",
-    "JAX_MLA_AITER_SMALL_HEAD_MODE",
+    "JAX_MLA_AITER_SMALL_HEAD_MODE", "JAX_MLA_AITER_ALLOW_KNOWN_BAD",
     "JAX_MLA_POISON_OUTPUTS", "TRITON_INTERPRET",
     "JAX_MLA_COORDINATOR", "JAX_MLA_NUM_PROCESSES", "JAX_MLA_PROCESS_ID",
     "JAX_MLA_LOCAL_DEVICE_IDS", "JAX_MLA_HEARTBEAT_TIMEOUT", "JAX_MLA_INIT_TIMEOUT",

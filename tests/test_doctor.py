@@ -88,3 +88,57 @@ def test_the_doctor_says_how_the_launcher_is_registered(monkeypatch):
     for words in ("initialize + execute stages", "JAX_MLA_FFI_COMMAND_BUFFERS=0",
                   "JAX_MLA_FFI_PRELOAD=0"):
         assert words in row["detail"], row
+
+
+def _known_bad_lines(rows):
+    return [r for r in rows if r["check"].startswith("AITER known-bad")]
+
+
+def test_the_doctor_reports_the_known_bad_kernels_of_the_installed_aiter(tmp_path, monkeypatch):
+    """A line per kernel of the known-bad table the kernel set plans read has (the installed
+    ``mla_asm.csv``, or the static table where none is found): the kernel, the issue, the
+    route taken instead, or that the override keeps it."""
+    from test_aiter_kernel_set import PINNED_CSV, edit_csv, write_hsa
+
+    from jax_mla.backends.aiter import bridge, known_bad, native
+
+    (row,) = known_bad.KNOWN_BAD
+    monkeypatch.delenv(known_bad.ALLOW_ENV, raising=False)
+    root = write_hsa(tmp_path / "hsa")
+    monkeypatch.setenv("AITER_ASM_DIR", str(root))
+    with standin():
+        (line,) = _known_bad_lines(doctor._aiter_checks("cpu"))
+    assert line["status"] == "warn" and line["check"] == f"AITER known-bad kernel ({row.arch})"
+    for part in (row.kernel, row.issue, row.symptom, row.replacement_kernel,
+                 str(root / row.arch / "mla" / "mla_asm.csv"), "version unknown",
+                 f"{known_bad.ALLOW_ENV}={row.kernel} keeps it"):
+        assert part in line["detail"], (part, line)
+
+    monkeypatch.setenv(known_bad.ALLOW_ENV, row.kernel)  # the override: launched, and said
+    monkeypatch.setattr(bridge, "installed_version", lambda: "0.1.21.post1")
+    with standin():
+        (line,) = _known_bad_lines(doctor._aiter_checks("cpu"))
+    assert line["status"] == "warn", line
+    assert "AITER 0.1.21.post1" in line["detail"] and "allows it" in line["detail"], line
+    monkeypatch.setenv(known_bad.ALLOW_ENV, "no_such_kernel")
+    with standin():
+        (line,) = _known_bad_lines(doctor._aiter_checks("cpu"))
+    assert line["status"] == "FAIL" and "no_such_kernel" in line["detail"], line
+    monkeypatch.delenv(known_bad.ALLOW_ENV)
+
+    # an install without the kernel: one ok line
+    qh64 = "_ZN5aiter39mla_a8w8_qh64_qseqlen1_gqaratio64_v3_psE"
+    fixed = write_hsa(tmp_path / "without",
+                      {"gfx942": edit_csv(PINNED_CSV["gfx942"], drop=[qh64])})
+    monkeypatch.setenv("AITER_ASM_DIR", str(fixed))
+    with standin():
+        (line,) = _known_bad_lines(doctor._aiter_checks("cpu"))
+    assert line["status"] == "ok" and "none of the 1 kernel(s)" in line["detail"], line
+
+    # no hsa directory: plans read the static table (the pinned commit's), which has it
+    monkeypatch.delenv("AITER_ASM_DIR")
+    monkeypatch.setattr(native, "asm_dir", lambda: None)
+    with standin():
+        (line,) = _known_bad_lines(doctor._aiter_checks("cpu"))
+    assert line["status"] == "warn" and "the static table" in line["detail"], line
+    assert row.kernel in line["detail"] and row.replacement_kernel in line["detail"], line

@@ -1,6 +1,8 @@
 """``backend="aiter"``: AMD ROCm through AITER's kernels.
 
 - ``capabilities.py``: per-arch kernel tables and vLLM's routing predicates (pure data).
+- ``known_bad.py``: AITER kernels known to fail, and the route taken instead (consulted when a
+  plan is built; ``JAX_MLA_AITER_ALLOW_KNOWN_BAD`` keeps one).
 - ``plan.py``: the route, decided once per problem (:class:`AiterPlan`).
 - ``planner.py``: AITER's persistent split-KV planner (``get_mla_metadata_v1``) in jnp, and an
   exact consumer of its plans.

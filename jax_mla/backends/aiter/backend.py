@@ -102,7 +102,7 @@ class AiterBackend(Backend):
     def plan(self, problem, *, tuning=None, **options) -> AiterPlan:
         """The route for ``problem``; ``options`` as ``build_aiter_decode_metadata``'s (arch,
         num_cu, mtp_decode_qlen, dcp_world_size, cp_interleave, return_lse, small_head_mode,
-        build, capacity_batch, check_kernels)."""
+        build, capacity_batch, check_kernels, allow_known_bad)."""
         if tuning is not None:
             raise TypeError("backend='aiter' takes no tuning object; pass AITER's options")
         return make_plan(self.name, problem, **options)

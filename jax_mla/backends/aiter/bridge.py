@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 
@@ -39,11 +40,13 @@ from jax.experimental import buffer_callback
 
 from jax_mla import heads as _heads
 from jax_mla.backends.aiter import capabilities as caps
+from jax_mla.backends.aiter.planner import fold_rows, unfold_rows
 from jax_mla.backends.base import out_dtype
 from jax_mla.cache import is_fp8
 from jax_mla.merge import sanitize_lse
 
 FP8_PREFILL_TILE_Q = caps.FP8_PREFILL_TILE_Q
+AITER_DISTRIBUTION = "amd-aiter"  # the name AITER's setup.py installs it under
 
 
 def aiter_importable() -> bool:
@@ -92,8 +95,18 @@ def _call(callback, out_shapes, *args):
     return tuple(outs)
 
 
+def installed_version() -> str | None:
+    """The installed AITER's version (its ``amd-aiter`` distribution's metadata, e.g.
+    ``0.1.21.post1``; nothing imported), or None where there is none (no AITER, or a source
+    tree on ``sys.path``, such as the test stand-in)."""
+    try:
+        return importlib.metadata.version(AITER_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def probe_build() -> caps.AiterBuild:
-    """What the installed AITER provides (vLLM's probes; imports aiter)."""
+    """What the installed AITER provides (vLLM's probes; imports aiter) and its version."""
     aiter = _aiter()
 
     def importable(mod, *names):
@@ -122,6 +135,7 @@ def probe_build() -> caps.AiterBuild:
         or importable("aiter.ops.triton.gluon.mla_decode_gluon", "mla_decode_gluon"),
         segmented_kernel=importable("aiter.ops.triton.attention.mla", "mla_decode_fwd"),
         fp8_prefill_kernels=importable("aiter", "mla_prefill_ps_asm_fwd", "mla_reduce_v1"),
+        version=installed_version(),
     )
 
 
@@ -165,16 +179,23 @@ def asm_decode(q, kv_cache, md, route, schedule, *, scale: float, q_scale=None,
       ``(out [T, n_dec, L], lse [T, n_dec] float32 | None)``; out in the attention dtype.
     """
     n, hp, qlen = route.num_heads, route.kernel_heads, route.qlen
-    t, _, d = q.shape
-    lr = d - 64
+    lr = q.shape[-1] - 64
     qp = _heads.pad_heads(q, n, hp)
     plan = schedule.plan if route.persistent else None
+    idx = (md.qo_indptr, md.paged_kv_indptr, md.paged_kv_indices, md.paged_kv_last_page_len)
+    ratio = 1
+    if plan is not None and route.force_fold:
+        # A fold AITER would not make itself (its native kernel for this count is known bad,
+        # known_bad.py): hand it the 16-head pseudo-batches, which it serves natively.
+        ratio = plan.fold_ratio
+        qp = fold_rows(qp, qlen, ratio)
+        idx = _fold_indptrs(md, ratio)
+    rows, heads = qp.shape[:2]
     out_dt = out_dtype(q.dtype)
-    shapes = [jax.ShapeDtypeStruct((t, hp, lr), out_dt)]
+    shapes = [jax.ShapeDtypeStruct((rows, heads, lr), out_dt)]
     if route.return_lse:
-        shapes.append(jax.ShapeDtypeStruct((t, hp), jnp.float32))
-    args = [qp, kv_cache, md.qo_indptr, md.paged_kv_indptr, md.paged_kv_indices,
-            md.paged_kv_last_page_len, _scalar(q_scale), _scalar(kv_scale)]
+        shapes.append(jax.ShapeDtypeStruct((rows, heads), jnp.float32))
+    args = [qp, kv_cache, *idx, _scalar(q_scale), _scalar(kv_scale)]
     if plan is not None:
         args += [plan.work_indptr, plan.work_info_set, plan.reduce_indptr,
                  plan.reduce_final_map, plan.reduce_partial_map]
@@ -209,12 +230,26 @@ def asm_decode(q, kv_cache, md, route, schedule, *, scale: float, q_scale=None,
                         "aiter mla_decode_fwd(return_lse=True) returned no LSE; upgrade aiter "
                         "to a build with decode LSE support."
                     )
-                _t(outs[1]).copy_(lse.reshape(t, hp))
+                _t(outs[1]).copy_(lse.reshape(rows, heads))
 
     res = _call(callback, shapes, *args)
-    out = _heads.unpad_heads(res[0], n, hp)
-    lse = _heads.unpad_heads(res[1], n, hp) if route.return_lse else None
+    out = _heads.unpad_heads(unfold_rows(res[0], qlen, ratio), n, hp)
+    lse = (_heads.unpad_heads(unfold_rows(res[1], qlen, ratio), n, hp) if route.return_lse
+           else None)
     return out, lse
+
+
+def _fold_indptrs(md, ratio: int):
+    """``(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)`` over the
+    ``B * ratio`` pseudo-batches of a fold, as AITER's own fold states them: each request's
+    query rows once per pseudo-batch, and each pseudo-batch's KV starting where its request's
+    does (the plan's works carry the KV ranges)."""
+    i32 = jnp.int32
+    qo = jnp.concatenate([jnp.zeros((1,), i32),
+                          jnp.cumsum(jnp.repeat(jnp.diff(md.qo_indptr), ratio)).astype(i32)])
+    kvp = jnp.concatenate([jnp.repeat(md.paged_kv_indptr[:-1], ratio), md.paged_kv_indptr[-1:]])
+    last = jnp.repeat(md.paged_kv_last_page_len, ratio)
+    return qo, kvp.astype(i32), md.paged_kv_indices, last
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +398,9 @@ def aiter_mla_metadata(md):
     route, plan = md.plan.route, md.schedule.plan
     if plan is None:
         raise ValueError("the schedule has no persistent plan to compare with")
+    if route.force_fold:
+        raise ValueError("the plan folds a head count AITER serves natively (a known-bad kernel "
+                         "routed around): AITER's planner has no such mode to compare with")
     arrays = (plan.work_indptr, plan.work_info_set, plan.reduce_indptr, plan.reduce_final_map,
               plan.reduce_partial_map)
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]

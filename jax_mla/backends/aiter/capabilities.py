@@ -86,6 +86,9 @@ class AiterBuild:
       asm_kernels: the asm decode kernels of one arch (:class:`AsmKernelSet`), derived from the
         installed AITER's ``mla_asm.csv``; ``None``: not given (``plan.make_plan`` then finds
         the installed set, the pure functions here use the static :data:`ASM_KERNELS`).
+      version: the installed AITER's version (its ``amd-aiter`` distribution's, e.g.
+        ``0.1.21.post1``; ``bridge.installed_version``); ``None``: unknown. Only the table of
+        known-bad kernels reads it (``known_bad.py``), and there unknown counts as affected.
     """
 
     native_h24_reducer: bool = True
@@ -94,6 +97,7 @@ class AiterBuild:
     segmented_kernel: bool = True
     fp8_prefill_kernels: bool = True
     asm_kernels: AsmKernelSet | None = None
+    version: str | None = None
 
     @property
     def native_h24(self) -> bool:
@@ -482,13 +486,17 @@ def planner_natively_supported(arch: str, num_heads: int, q_dtype, kv_dtype,
     )
 
 
-def fold_ratio(arch: str, num_heads: int, q_dtype, kv_dtype, max_seqlen_qo: int) -> int:
+def fold_ratio(arch: str, num_heads: int, q_dtype, kv_dtype, max_seqlen_qo: int, *,
+               force_fold: bool = False) -> int:
     """How many 16-head pseudo-batches one request becomes in persistent mode (1 = no fold).
 
-    Raises ``ValueError`` where AITER has neither a native kernel nor a fold (its AITER_CHECK).
+    ``force_fold``: fold a count AITER serves natively too (its native kernel is known bad,
+    ``known_bad.py``). Raises ``ValueError`` where AITER has neither a native kernel nor a fold
+    (its AITER_CHECK).
     """
     h = int(num_heads)
-    if planner_natively_supported(arch, h, q_dtype, kv_dtype, max_seqlen_qo):
+    if h == MIN_HEADS or (not force_fold and planner_natively_supported(
+            arch, h, q_dtype, kv_dtype, max_seqlen_qo)):
         return 1
     if h % 16 == 0 and 32 <= h <= 128:
         return h // 16
@@ -525,18 +533,20 @@ def asm_kernel_served(rows, q: str, kv: str, kernel_heads: int, qlen: int, *,
 
 def asm_kernel_available(arch: str, q_dtype, kv_dtype, num_heads: int, qlen: int, *,
                          persistent: bool, lse: bool = False,
-                         kernels: AsmKernelSet | None = None) -> bool | None:
+                         kernels: AsmKernelSet | None = None,
+                         force_fold: bool = False) -> bool | None:
     """Whether an asm decode kernel serves this shape: ``True``, ``False`` or ``None`` (unknown).
 
     ``num_heads`` is what the caller passes (the padded count); in persistent mode it is first
-    folded like AITER does. Non-persistent mode never folds. ``kernels``: the kernel set to
-    consult (default: the static table of ``arch``).
+    folded like AITER does (``force_fold``: folded even where AITER serves it natively).
+    Non-persistent mode never folds. ``kernels``: the kernel set to consult (default: the
+    static table of ``arch``).
     """
     q, kv = dtype_name(q_dtype), dtype_name(kv_dtype)
     h = int(num_heads)
     if persistent:
         try:
-            ratio = fold_ratio(arch, h, q, kv, qlen)
+            ratio = fold_ratio(arch, h, q, kv, qlen, force_fold=force_fold)
         except ValueError:
             return False
         h = 16 if ratio > 1 else h
@@ -569,6 +579,12 @@ class AiterRoute:
       mtp_decode_qlen: ``K``, the largest qlen decode is handed (sizes the plan).
       asm_kernels: the asm kernel set the route is checked against (:func:`check_route_kernels`):
         the installed AITER's or the static table, with its source.
+      force_fold: the persistent plan folds the heads into 16-head pseudo-batches although
+        AITER serves the count natively, because that native kernel is known bad (``avoided``).
+      avoided: the known-bad kernels (``known_bad.KnownBadKernel`` rows) this route goes around,
+        with the replacement each names; empty for the route vLLM would take.
+      known_bad_allowed: known-bad kernels this route launches anyway, because the override
+        (``JAX_MLA_AITER_ALLOW_KNOWN_BAD`` or ``allow_known_bad=``) allows them.
     """
 
     kind: str
@@ -585,6 +601,15 @@ class AiterRoute:
     num_cu: int = 0
     mtp_decode_qlen: int = 1
     asm_kernels: AsmKernelSet | None = None
+    force_fold: bool = False
+    avoided: tuple = ()  # of known_bad.KnownBadKernel (known_bad reads this module)
+    known_bad_allowed: tuple = ()
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """One sentence per known-bad kernel the route goes around or, by override, runs."""
+        return (tuple(row.avoided_note() for row in self.avoided)
+                + tuple(row.allowed_note() for row in self.known_bad_allowed))
 
 
 def decide_route(*, arch: str, num_heads: int, qlen: int, q_dtype, kv_dtype,
@@ -666,7 +691,7 @@ def check_route_kernels(route: AiterRoute) -> None:
     kernels = resolve_kernel_set(route.arch, route.asm_kernels)
     ok = asm_kernel_available(route.arch, route.q_dtype, route.kv_dtype, route.kernel_heads,
                               route.qlen, persistent=route.persistent, lse=route.return_lse,
-                              kernels=kernels)
+                              kernels=kernels, force_fold=route.force_fold)
     if ok is not False:
         return
     mode = "persistent" if route.persistent else "non-persistent"
@@ -674,7 +699,7 @@ def check_route_kernels(route: AiterRoute) -> None:
     if route.persistent:
         try:
             ratio = fold_ratio(route.arch, route.kernel_heads, route.q_dtype, route.kv_dtype,
-                               route.qlen)
+                               route.qlen, force_fold=route.force_fold)
         except ValueError:
             ratio = 1
         if ratio > 1:
@@ -683,10 +708,13 @@ def check_route_kernels(route: AiterRoute) -> None:
     if kernels.installed:
         pinned = asm_kernel_available(route.arch, route.q_dtype, route.kv_dtype,
                                       route.kernel_heads, route.qlen,
-                                      persistent=route.persistent, lse=route.return_lse)
+                                      persistent=route.persistent, lse=route.return_lse,
+                                      force_fold=route.force_fold)
         if pinned is not False:
             why += (f"; ROCm/aiter {AITER_COMMIT[:8]} has this kernel: the installed AITER's "
                     "kernel set differs from the one jax_mla was written against")
+    for row in route.avoided:
+        why += f"; {row.avoided_note()}"
     raise NotImplementedError(
         f"AITER on {route.arch} has no {mode} asm MLA decode kernel for q {route.q_dtype} / "
         f"kv {route.kv_dtype}, {heads}, qlen {route.qlen}"

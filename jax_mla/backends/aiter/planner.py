@@ -83,12 +83,16 @@ class MlaMetadataSizes:
 
 def mla_metadata_sizes(batch_size: int, max_seqlen_qo: int, num_head_qo: int, q_dtype, kv_dtype,
                        *, arch: str, num_cu: int | None = None, is_sparse: bool = False,
-                       fast_mode: bool = True, max_split_per_batch: int = -1) -> MlaMetadataSizes:
+                       fast_mode: bool = True, max_split_per_batch: int = -1,
+                       force_fold: bool = False) -> MlaMetadataSizes:
     """``get_mla_metadata_info_v1(batch_size, max_seqlen_qo, num_head_qo, q, kv, is_sparse, ...)``.
 
     ``num_head_qo`` is the padded head count the kernel sees (vLLM: ``get_actual_mla_num_heads``).
     Example (gfx950, B=256, qlen 1, 16 heads, bf16): work_indptr 257, work_info [511, 8],
-    reduce_indptr 257, final_map [256, 2], partial_map 510.
+    reduce_indptr 257, final_map [256, 2], partial_map 510. ``force_fold``: the plan folds a
+    count AITER serves natively (a known-bad native kernel routed around, ``known_bad.py``);
+    its buffers are sized by AITER's rule for the counts it folds, ``ceil(packed / 16)`` tiles
+    per request (enough for the pseudo-batches).
     """
     if num_head_qo % 8 != 0:
         raise ValueError(
@@ -101,7 +105,9 @@ def mla_metadata_sizes(batch_size: int, max_seqlen_qo: int, num_head_qo: int, q_
     qlen = 1 if is_sparse else int(max_seqlen_qo)
     packed = qlen * h
     tiles = _cdiv(packed, 16)
-    if (gfx == "gfx950" and not q8 and not kv8 and packed >= 64 and h <= 64
+    if force_fold:
+        pass  # the rule of every count AITER folds; the native counts' rules below do not apply
+    elif (gfx == "gfx950" and not q8 and not kv8 and packed >= 64 and h <= 64
             and (packed < 128 or h == 48)) or (gfx == "gfx950" and q8 and kv8 and h == 32
                                                and qlen == 3):
         tiles = qlen if h * 2 > 64 else _cdiv(packed, 64)
@@ -226,11 +232,11 @@ class _Static:
 
 def _static_config(num_batches, qlen, num_heads, q_dtype, kv_dtype, arch, num_cu,
                    max_split_per_batch, capacity_batch, capacity_qlen, variant, causal,
-                   kv_granularity) -> _Static:
+                   kv_granularity, force_fold=False) -> _Static:
     info = caps.arch_info(arch)
     cu = info.num_cu if num_cu is None else int(num_cu)
     h = int(num_heads)
-    ratio = caps.fold_ratio(arch, h, q_dtype, kv_dtype, qlen)
+    ratio = caps.fold_ratio(arch, h, q_dtype, kv_dtype, qlen, force_fold=force_fold)
     hk = 16 if ratio > 1 else h
     nb = num_batches * ratio
     q8 = caps.dtype_name(q_dtype) == "fp8"
@@ -261,7 +267,8 @@ def _static_config(num_batches, qlen, num_heads, q_dtype, kv_dtype, arch, num_cu
     else:
         raise ValueError(f"variant={variant!r} must be 'auto', 'parallel' or 'sequential'")
     sizes = mla_metadata_sizes(capacity_batch, capacity_qlen, h, q_dtype, kv_dtype, arch=arch,
-                               num_cu=cu, max_split_per_batch=max_split_per_batch)
+                               num_cu=cu, max_split_per_batch=max_split_per_batch,
+                               force_fold=force_fold and ratio > 1)
     n_items = nb * tiles
     if n_items > sizes.tile_cnt or n_items + cu - 1 > sizes.max_work:
         raise ValueError(
@@ -277,7 +284,8 @@ def plan_mla_decode(kv_indptr, *, qlen: int, num_heads: int, q_dtype, kv_dtype, 
                     num_cu: int | None = None, max_split_per_batch: int = -1,
                     capacity_batch: int | None = None, capacity_qlen: int | None = None,
                     variant: str = "auto", causal: bool = True,
-                    kv_granularity: int = KV_GRANULARITY) -> MlaWorkPlan:
+                    kv_granularity: int = KV_GRANULARITY,
+                    force_fold: bool = False) -> MlaWorkPlan:
     """``get_mla_metadata_v1`` fast mode, page size 1, uniform ``qlen``: the persistent plan.
 
     Args:
@@ -291,6 +299,8 @@ def plan_mla_decode(kv_indptr, *, qlen: int, num_heads: int, q_dtype, kv_dtype, 
       capacity_batch, capacity_qlen: what the buffers are sized for (default ``B``, ``qlen``;
         vLLM sizes them with ``max_num_seqs`` and ``_mtp_decode_qlen``). Static.
       variant: ``"auto"`` (what AITER dispatches), ``"parallel"`` or ``"sequential"``. Static.
+      force_fold: fold the heads into 16-head pseudo-batches even where AITER serves the count
+        natively (the route's ``force_fold``: that native kernel is known bad). Static.
 
     Returns a :class:`MlaWorkPlan`. Jittable; nothing is read back to the host.
     """
@@ -302,7 +312,7 @@ def plan_mla_decode(kv_indptr, *, qlen: int, num_heads: int, q_dtype, kv_dtype, 
                         caps.dtype_name(kv_dtype), arch, num_cu, int(max_split_per_batch),
                         b if capacity_batch is None else int(capacity_batch),
                         int(qlen) if capacity_qlen is None else int(capacity_qlen), variant,
-                        causal, kv_granularity)
+                        causal, kv_granularity, bool(force_fold))
     plan, _ = _plan(kv_indptr.astype(jnp.int32), st)
     return plan
 

@@ -169,7 +169,7 @@ def build_schedule(plan: AiterPlan, md: DecodeMetadata, *, dcp_rank: int = 0,
         work = plan_mla_decode(md.paged_kv_indptr, qlen=md.qlen, num_heads=route.kernel_heads,
                                q_dtype=route.q_dtype, kv_dtype=route.kv_dtype, arch=route.arch,
                                num_cu=route.num_cu, capacity_batch=plan.capacity_batch,
-                               capacity_qlen=route.mtp_decode_qlen)
+                               capacity_qlen=route.mtp_decode_qlen, force_fold=route.force_fold)
     if route.kind == "dcp_verify":
         if dcp_tot_seq_lens is None:
             raise ValueError("the segmented DCP-verify route needs dcp_tot_seq_lens (global lens)")
@@ -205,7 +205,8 @@ def build_aiter_decode_metadata(block_table, seq_lens, *, page_size: int, num_he
                                 build: caps.AiterBuild | None = None,
                                 capacity_batch: int | None = None,
                                 flat_capacity: int | None = None,
-                                check_kernels: bool = True, target=None) -> DecodeMetadata:
+                                check_kernels: bool = True, target=None,
+                                allow_known_bad=None) -> DecodeMetadata:
     """:func:`jax_mla.build_decode_metadata` for ``backend="aiter"``, with AITER's options.
 
     Args:
@@ -230,6 +231,10 @@ def build_aiter_decode_metadata(block_table, seq_lens, *, page_size: int, num_he
       capacity_batch: batch the plan buffers are sized for (default ``B``).
       check_kernels: raise early where the kernel tables say the chosen route has no kernel.
       target: where the step runs (default: this process's device).
+      allow_known_bad: known-bad AITER kernels to launch anyway (``True``, kernel names, or
+        ``False``; default: ``JAX_MLA_AITER_ALLOW_KNOWN_BAD``). Without it a route that would
+        launch one takes the replacement the table names (``known_bad.py``), and
+        ``md.plan.notes`` says so.
 
     Jittable with every non-array argument static.
     """
@@ -266,7 +271,8 @@ def build_aiter_decode_metadata(block_table, seq_lens, *, page_size: int, num_he
                      mtp_decode_qlen=mtp_decode_qlen, dcp_world_size=dcp_world_size,
                      cp_interleave=cp_interleave, return_lse=return_lse,
                      small_head_mode=small_head_mode, build=build,
-                     capacity_batch=capacity_batch, check_kernels=check_kernels)
+                     capacity_batch=capacity_batch, check_kernels=check_kernels,
+                     allow_known_bad=allow_known_bad)
     sched = build_schedule(plan, md, dcp_rank=dcp_rank, cp_interleave=cp_interleave,
                            dcp_tot_seq_lens=dcp_tot_seq_lens, live=live)
     return md.replace(plan=plan, schedule=sched)
