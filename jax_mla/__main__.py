@@ -1,7 +1,8 @@
 """``python -m jax_mla demo [...]``: the serving demo (a small MLA model, continuous batching);
 ``python -m jax_mla kernels [...]``: decode and verify steps on a DeepSeek-shaped cache against a
-float64 oracle; ``python -m jax_mla doctor``: checks this host end to end (``doctor.py``). The
-benchmark is ``python -m jax_mla.bench``."""
+float64 oracle; ``python -m jax_mla doctor``: checks this host end to end (``doctor.py``; with
+``--validate``, validates a ROCm host: ``validate.py``). The benchmark is ``python -m
+jax_mla.bench``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def main(argv=None) -> int:
     demo.add_args(sub.add_parser(
         "kernels", help="decode + verify steps on a DeepSeek-shaped cache vs a float64 oracle"))
     doctor.add_args(sub.add_parser(
-        "doctor", help="check this host: platform, packages, launcher, AITER, a tiny decode"))
+        "doctor", help="check this host: platform, packages, launcher, AITER, a tiny decode "
+                       "(--validate: validate a ROCm host, one JSON and a verdict)"))
     args = p.parse_args(argv)
     if args.cmd == "demo":
         return serving_demo.main(args)

@@ -18,6 +18,11 @@ What it reports, each as a line that is ``ok``, ``warn`` (works, with a limit wo
   against a float64 oracle, with its time per call.
 
 Exit status 0 when nothing failed. ``--json`` prints the checks as a JSON list instead.
+
+``--validate [--out FILE.json]`` validates the host instead (``validate.py``): these checks,
+then conformance cases on AITER and Triton against the float64 oracle, AITER's kernels native
+or bridged, notebook 05's path and a short bench, one JSON, and a ``VALIDATED`` / ``NOT
+VALIDATED: N of M failed`` verdict.
 """
 
 from __future__ import annotations
@@ -237,23 +242,41 @@ def _decode_checks(quick: bool) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False) -> list[dict]:
+def host_checks() -> list[dict]:
+    """The platform, package and launcher checks (everything but the decode)."""
     from jax_mla.problem import current_platform, detect_target
 
     rows = _platform_checks()
-    platform = current_platform()
-    rows += _package_checks(platform)
+    rows += _package_checks(current_platform())
     rows += _launcher_checks(detect_target())
-    rows += _decode_checks(quick)
     return rows
 
 
+def run(quick: bool = False) -> list[dict]:
+    return host_checks() + _decode_checks(quick)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print the checks as a JSON list")
+    p.add_argument("--json", action="store_true",
+                   help="print the checks as a JSON list (with --validate: the report)")
     p.add_argument("--quick", action="store_true", help="shorter requests and fewer timed calls")
+    p.add_argument("--validate", action="store_true",
+                   help="validate this host (a ROCm one): conformance cases on AITER and Triton "
+                        "vs a float64 oracle, AITER's kernels native or bridged, notebook 05's "
+                        "path, a short bench; writes one JSON, prints VALIDATED or NOT "
+                        "VALIDATED (jax_mla/validate.py)")
+    p.add_argument("--out", metavar="FILE.json", default=None,
+                   help="with --validate: where the JSON goes (default jax_mla_validate.json)")
+    p.add_argument("--arch", choices=("gfx942", "gfx950"), default=None,
+                   help="with --validate off ROCm: plan AITER's routes for this arch (default: "
+                        "the AITER stand-in's, where the tests put it on sys.path)")
 
 
 def main(args) -> int:
+    if getattr(args, "validate", False):
+        from jax_mla import validate
+
+        return validate.main(args, host_checks=host_checks())
     rows = run(quick=args.quick)
     if args.json:
         print(json.dumps(rows, indent=1))

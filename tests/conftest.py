@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import gc
 import importlib.util
 import json
@@ -77,47 +76,8 @@ def rng(request):
     return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
 
 
-@dataclasses.dataclass
-class Case:
-    q: np.ndarray  # [T, H, D] float32 values (cast by the test)
-    cache: np.ndarray  # [P, page_size, D] float32, unused slots NaN
-    block_table: np.ndarray  # [B, max_pages] int32, unused entries point at NaN pages / -1
-    seq_lens: np.ndarray  # [B] int32
-    qlen: int
-    page_size: int
-    kv_lora_rank: int
-    scale: float
-
-
-def make_case(rng, *, seq_lens, qlen, num_heads, page_size, kv_lora_rank=512, rope_dim=64,
-              extra_pages=2, scale=None) -> Case:
-    """A paged cache with a permuted block table; every slot no request uses is NaN."""
-    seq_lens = np.asarray(seq_lens, np.int32)
-    b = len(seq_lens)
-    d = kv_lora_rank + rope_dim
-    need = [-(-int(n) // page_size) for n in seq_lens]
-    max_pages = max(need + [1]) + extra_pages
-    num_phys = sum(need) + extra_pages + 1
-    cache = np.full((num_phys, page_size, d), np.nan, np.float32)
-    perm = rng.permutation(num_phys)
-    block_table = np.full((b, max_pages), -1, np.int32)
-    nan_pages = list(perm[sum(need):])
-    k = 0
-    for i, n in enumerate(seq_lens):
-        pages = perm[k:k + need[i]]
-        k += need[i]
-        block_table[i, :need[i]] = pages
-        # Unused entries: some -1, some pointing at NaN pages (a kernel must not read either).
-        for j in range(need[i], max_pages):
-            if rng.random() < 0.5:
-                block_table[i, j] = nan_pages[rng.integers(len(nan_pages))]
-        for p_i, page in enumerate(pages):
-            rows = min(page_size, int(n) - p_i * page_size)
-            cache[page, :rows] = rng.standard_normal((rows, d))
-    q = rng.standard_normal((b * qlen, num_heads, d)).astype(np.float32)
-    if scale is None:
-        scale = 1.0 / np.sqrt(192.0)
-    return Case(q, cache, block_table, seq_lens, qlen, page_size, kv_lora_rank, float(scale))
+# The paged case builder lives in the package (``doctor --validate`` builds its cases with it).
+from jax_mla.testing import Case, make_case  # noqa: E402, F401
 
 
 @pytest.fixture
