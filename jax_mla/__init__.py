@@ -9,6 +9,7 @@ Public API:
   merge_attn_states      exact LSE merge of two partial attention results
   build_dcp_metadata     one DCP step's per-rank metadata and plan
   dcp_mla_attention      decode/verify with the cache sharded along the sequence over a mesh axis
+  dcp_prefill_with_context  prefill rows over a cached context sharded the DCP way
   dcp_*                  the DCP sharding rule, slot mapping, cache write and layout helpers
   dcp_allocate_cache     a DCP cache made in place: each device (process) creates only its pages
   distributed            multi-process / multi-host runs on jax.distributed (``initialize``);
@@ -42,6 +43,7 @@ from jax_mla.dcp import (
     dcp_local_seq_lens,
     dcp_max_local_pages,
     dcp_mla_attention,
+    dcp_prefill_with_context,
     dcp_shard_cache,
     dcp_shardings,
     dcp_slot_mapping,
@@ -75,6 +77,7 @@ __all__ = [
     "dcp_local_seq_lens",
     "dcp_max_local_pages",
     "dcp_mla_attention",
+    "dcp_prefill_with_context",
     "dcp_shard_cache",
     "dcp_shardings",
     "dcp_slot_mapping",

@@ -9,6 +9,12 @@ DCP mesh over every device (interleave 1, ``ag_rs``) and a 2-D DCP x head-parall
 compares the gathered outputs (small) with the float64 single-device oracle over the whole
 context; the cache itself is never gathered.
 
+``python tests/multiprocess_worker.py prefill --seed S``: the model layer (``mla_layer`` with
+``Parallel``) on a 1-D DCP mesh over every device (interleave 2): first prompt chunks, then a
+step of a decode row and prompt chunks over their cached context (one request new, with none),
+each step one jitted program; the outputs are compared with the same steps through the
+single-device layer on this process's first device.
+
 ``python tests/multiprocess_worker.py fault --seed S --die-rank R --die-step K``: steps in a
 loop; inside step ``K`` (a host callback before the first collective) process ``R`` exits
 abruptly, and the others must fail on their own within the heartbeat timeout.
@@ -20,6 +26,7 @@ traceback and a non-zero exit.
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import json
 import os
@@ -35,6 +42,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jax_mla.model import AttentionBatch, MLAConfig, Parallel, init_params, mla_layer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dcp_cases import collectives  # noqa: E402
@@ -224,6 +233,90 @@ def run_dcp(args) -> dict:
     return result
 
 
+# (decode ids, qlen), (prefill ids, new tokens, cached context) of each prefill-mode step.
+PREFILL_STEPS = (
+    (([], 0), ([0, 1, 2], [5, 11, 2], [0, 0, 0])),
+    (([0], 1), ([1, 2, 3], [7, 9, 6], [11, 2, 0])),
+)
+
+
+def run_prefill(args) -> dict:
+    """The layer's chunked prefill over a DCP-sharded cached context, against one device."""
+    cfg = MLAConfig(hidden_size=48, num_heads=8, kv_lora_rank=L, q_lora_rank=16,
+                    qk_nope_head_dim=16, qk_rope_head_dim=R, v_head_dim=16)
+    # A spare pool: a rank's cache then dwarfs every legitimate collective operand.
+    n, interleave, pool, max_pages, ws = jax.device_count(), 2, SPARE_POOL, 8, 8
+    mesh = jax.make_mesh((n,), ("dcp",))
+    par = Parallel(mesh=mesh, interleave=interleave, combine="a2a")
+    rng = np.random.default_rng(args.seed)
+    # NumPy leaves: every process passes the same values, each uploads them to its devices.
+    params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(args.seed % 1000),
+                                                  jnp.float32, std=0.2))
+    managers = [jax_mla.PagedCacheManager(num_pages=pool, page_size=PAGE, max_seqs=4,
+                                          max_pages_per_seq=max_pages, world_size=w,
+                                          interleave=interleave) for w in (1, n)]
+    one_mgr, mgr = managers
+    kv = jax_mla.dcp_allocate_cache(pool, PAGE, L + R, mesh=mesh, dtype=jnp.float32,
+                                    fill_value=np.nan)
+    local = jax.local_devices()[0]  # the single-device reference runs here, in every process
+    one_kv = jax.device_put(jnp.full((pool, PAGE, L + R), jnp.nan, jnp.float32), local)
+
+    def dcp_step(params, x, pos, kv, req, tables, dec_tables, dec_lens, ctx, cu, *, qlen):
+        md = None if not qlen else jax_mla.build_dcp_metadata(
+            dec_tables, dec_lens, mesh=mesh, page_size=PAGE, num_heads=cfg.num_heads,
+            qlen=qlen, interleave=interleave, q_dtype=x.dtype, kv_lora_rank=L, rope_dim=R,
+            backend="xla")
+        batch = AttentionBatch(slot_mapping=None, decode=md, positions=pos, request_ids=req,
+                               block_tables=tables, prefill_context_lens=ctx,
+                               prefill_cu_seqlens=cu)
+        return mla_layer(params, cfg, x, pos, kv, batch, parallel=par, workspace_tokens=ws,
+                         decode_backend="xla", prefill_backend="xla")
+
+    def one_step(params, x, pos, kv, batch):
+        return mla_layer(params, cfg, x, pos, kv, batch, parallel=None, workspace_tokens=ws,
+                         decode_backend="xla", prefill_backend="xla")
+
+    steps = []
+    for (dec, qlen), (pre, counts, ctx) in PREFILL_STEPS:
+        for m in managers:
+            for i in dec:
+                m.append(i, qlen)
+            for i, c, k in zip(pre, counts, ctx):
+                (m.append if k else m.add)(i, c)
+        ids, all_counts = dec + pre, [qlen] * len(dec) + counts
+        cap = sum(all_counts)
+        pos, req = mgr.token_positions(ids, None, all_counts, capacity=cap)
+        ctx = np.asarray(ctx, np.int32)
+        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        x = rng.standard_normal((cap, cfg.hidden_size)).astype(np.float32)
+        bd = max(len(dec), 1)
+        args_ = (params, x, pos, kv, req, mgr.block_tables(ids, rows=len(ids)),
+                 mgr.block_tables(dec, rows=bd), mgr.seq_lens(dec, rows=bd), ctx, cu)
+        compiled = jax.jit(functools.partial(dcp_step, qlen=qlen), donate_argnums=3).lower(
+            *args_).compile()
+        y, kv = compiled(*args_)
+        y = multihost_utils.process_allgather(y, tiled=True)
+        md = None if not dec else jax_mla.build_decode_metadata(
+            one_mgr.block_tables(dec, rows=bd), one_mgr.seq_lens(dec, rows=bd),
+            page_size=PAGE, qlen=qlen)
+        batch = AttentionBatch(
+            slot_mapping=one_mgr.slot_mapping(ids, None, all_counts, capacity=cap), decode=md,
+            prefill_block_table=one_mgr.block_tables(pre, rows=len(pre)),
+            prefill_context_lens=ctx, prefill_cu_seqlens=cu)
+        batch, x_one, pos_one, p_one = jax.device_put((batch, x, pos, params), local)
+        want, one_kv = jax.jit(one_step, donate_argnums=3)(p_one, x_one, pos_one, one_kv, batch)
+        found = collectives(compiled.as_text())
+        steps.append({"decode_rows": len(dec) * qlen, "context": ctx.tolist(),
+                      "out_rel_err": rel_err(y, np.asarray(want)),
+                      "collective_ops": sorted({op for op, _, _ in found}),
+                      "biggest_collective_elems": max((c for *_, c in found), default=0)})
+    return {"prefill": {"dcp": n, "interleave": interleave, "steps": steps,
+                        "rank_cache_elems": pool * PAGE * (L + R),
+                        "cache_bytes_distinct": jax_mla.distributed.addressable_nbytes(
+                            kv, distinct=True),
+                        "cache_bytes_global": int(np.prod(kv.shape)) * kv.dtype.itemsize}}
+
+
 def run_fault(args) -> dict:
     rng = np.random.default_rng(args.seed)
     tp, interleave, combine = CASES["dcp_1d"]
@@ -256,13 +349,13 @@ def run_fault(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["dcp", "fault"])
+    p.add_argument("mode", choices=["dcp", "prefill", "fault"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--die-rank", type=int, default=1)
     p.add_argument("--die-step", type=int, default=1)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    result = run_dcp(args) if args.mode == "dcp" else run_fault(args)
+    result = {"dcp": run_dcp, "prefill": run_prefill, "fault": run_fault}[args.mode](args)
     result.update(rank=jax.process_index(), num_processes=jax.process_count(),
                   device_count=jax.device_count(), platform=jax.default_backend(),
                   config_source=CFG.source, seconds=time.perf_counter() - t0,

@@ -9,6 +9,8 @@ by the launcher's timeout (everything is killed when it passes), so nothing can 
   2-D DCP x head-parallel mesh (interleave 2), against the float64 single-device oracle; each
   process holds 1/N of the cache, no collective moves a cache-sized array, every socket is on
   loopback.
+- ``... prefill``: the model layer's prompt chunks over a cached context spread over both
+  processes (with a decode row), against the single-device layer.
 - ``... fault``: one process exits abruptly inside a step; the others stop with an error naming
   it, within the heartbeat timeout.
 - The launcher itself (failure and timeout handling, each process's environment), settings
@@ -164,6 +166,25 @@ def test_all_traffic_stays_on_loopback(dcp_run):
             for end in ends:
                 host = end.rsplit(":", 1)[0]
                 assert host.startswith("127.") or host == "::1", (res["rank"], s)
+
+
+def test_layer_prefill_over_sharded_context_across_processes():
+    """The model layer across 2 processes: prompt chunks over a cached context spread over
+    every process's devices (with a decode row in the step) equal the single-device layer; the
+    cache stays where it is."""
+    nprocs = 2
+    _needs(nprocs)
+    results = _results(_run_worker("prefill", nprocs, timeout_s=240), nprocs)
+    for res in results:
+        case = res["prefill"]
+        assert case["dcp"] == nprocs * DEVICES_PER_PROC
+        assert case["cache_bytes_distinct"] * nprocs == case["cache_bytes_global"]
+        assert [s["context"] for s in case["steps"]] == [[0, 0, 0], [11, 2, 0]]
+        for s in case["steps"]:
+            print(f"process {res['rank']} context {s['context']}: out {s['out_rel_err']:.1e}")
+            assert s["out_rel_err"] < TOL, (res["rank"], s)
+            assert s["biggest_collective_elems"] < case["rank_cache_elems"] // 4, s
+            assert "all-to-all" in s["collective_ops"], s  # the combine: the parse works
 
 
 # ------------------------------------------------------------------------------------------------

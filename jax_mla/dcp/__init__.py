@@ -4,6 +4,7 @@
 - ``combine.py``: merging the ranks' partials by LSE (``ag_rs`` and ``a2a``).
 - ``attention.py``: the mesh layout, the sharded cache (made in place, written in place),
   :func:`build_dcp_metadata` and :func:`dcp_mla_attention`.
+- ``prefill.py``: :func:`dcp_prefill_with_context`, prefill rows over a sharded cached context.
 """
 
 from jax_mla.dcp.attention import (
@@ -24,6 +25,7 @@ from jax_mla.dcp.layout import (
     dcp_slot_mapping,
     dcp_verify_row_lens,
 )
+from jax_mla.dcp.prefill import dcp_prefill_with_context
 
 __all__ = [
     "COMBINES",
@@ -35,6 +37,7 @@ __all__ = [
     "dcp_local_seq_lens",
     "dcp_max_local_pages",
     "dcp_mla_attention",
+    "dcp_prefill_with_context",
     "dcp_shard_cache",
     "dcp_shardings",
     "dcp_slot_mapping",

@@ -208,9 +208,9 @@ def _dcp_write(kv_cache, kv_c, k_pe, positions, request_ids, block_tables, k_sca
                     in_specs=(P(dcp_axis), P(dcp_axis), rep, rep, rep, rep,
                               None if k_scale is None else rep),
                     out_specs=P(dcp_axis))
-    kv_cache = _place(kv_cache, mesh, P(dcp_axis))
-    block_tables = _place(block_tables, mesh, P(dcp_axis))
-    rows = [_place(jnp.asarray(x), mesh, rep) for x in (kv_c, k_pe, positions, request_ids)]
+    kv_cache = place_on_mesh(kv_cache, mesh, P(dcp_axis))
+    block_tables = place_on_mesh(block_tables, mesh, P(dcp_axis))
+    rows = [place_on_mesh(jnp.asarray(x), mesh, rep) for x in (kv_c, k_pe, positions, request_ids)]
     return fn(kv_cache, block_tables, *rows, k_scale)
 
 
@@ -235,7 +235,7 @@ def _shard_map(f, *, mesh, in_specs, out_specs):
     return shard_map(f, mesh, in_specs, out_specs, check_rep=False)
 
 
-def _place(x, mesh, spec):
+def place_on_mesh(x, mesh, spec):
     """Constrain ``x`` to ``NamedSharding(mesh, spec)`` inside jit, whatever the axis types.
 
     Explicit mesh axes (``jax.make_mesh``'s default since jax 0.7) take ``jax.sharding.reshard``;
@@ -358,7 +358,8 @@ def _build_dcp(block_tables, seq_lens, *, mesh, plan, qlen, interleave, dcp_axis
 
     fn = _shard_map(body, mesh=mesh, in_specs=(P(dcp_axis), P()),
                     out_specs=(P(dcp_axis), P(dcp_axis)))
-    local, row_lens = fn(_place(block_tables, mesh, P(dcp_axis)), _place(seq_lens, mesh, P()))
+    local, row_lens = fn(place_on_mesh(block_tables, mesh, P(dcp_axis)),
+                         place_on_mesh(seq_lens, mesh, P()))
     return DcpMetadata(local=local, row_lens=row_lens, qlen=qlen, interleave=interleave,
                        dcp_axis=dcp_axis)
 
@@ -540,7 +541,7 @@ def _dcp_mla_attention(q, kv_cache, md, kv_scale, q_scale, *, mesh, scale, head_
                     out_specs=(P(None, hs), P(None, hs)))
     # Arrays that already carry the layout pass through; others are placed (a slice, never a
     # gather: each device keeps only its part).
-    q, kv_cache = _place(q, mesh, specs[0]), _place(kv_cache, mesh, specs[1])
-    md = jax.tree.map(lambda x: _place(x, mesh, P(dcp_axis)), md)
+    q, kv_cache = place_on_mesh(q, mesh, specs[0]), place_on_mesh(kv_cache, mesh, specs[1])
+    md = jax.tree.map(lambda x: place_on_mesh(x, mesh, P(dcp_axis)), md)
     out, lse = fn(q, kv_cache, md, scales)
     return (out, lse) if return_lse else out

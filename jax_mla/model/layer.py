@@ -24,10 +24,11 @@ One step (:func:`mla_layer`) over a batch ordered as vLLM orders it, decode rows
 4. ``o_proj``.
 
 With the cache sharded along pages over a mesh axis (decode context parallel, :class:`Parallel`),
-the cache write and the decode rows run through :func:`jax_mla.dcp_write_kv_cache` and
-:func:`jax_mla.dcp_mla_attention`: each device attends over its own pages and the partials merge
-by LSE, so the compiled step moves queries and LSE-weighted outputs between devices, never the
-cache. Heads sharded over ``head_axis`` run as head parallel.
+the cache write, the decode rows and the prefill rows over cached context run through
+:func:`jax_mla.dcp_write_kv_cache`, :func:`jax_mla.dcp_mla_attention` and
+:func:`jax_mla.dcp_prefill_with_context`: each device attends over its own pages and the
+partials merge by LSE, so the compiled step moves queries and LSE-weighted outputs between
+devices, never the cache. Heads sharded over ``head_axis`` run as head parallel.
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jax_mla.cache import write_kv_cache
 from jax_mla.context import absorb_query, mla_mixed_step, unabsorb_output, up_project
-from jax_mla.dcp import DcpMetadata, dcp_mla_attention, dcp_shardings, dcp_write_kv_cache
+from jax_mla.dcp import (
+    DcpMetadata,
+    dcp_mla_attention,
+    dcp_prefill_with_context,
+    dcp_shardings,
+    dcp_write_kv_cache,
+)
+from jax_mla.dcp.attention import place_on_mesh
 from jax_mla.metadata import DecodeMetadata
 from jax_mla.model.config import MLAConfig
 from jax_mla.model.rope import apply_rope, rope_cos_sin
@@ -160,8 +168,10 @@ class AttentionBatch:
     :class:`jax_mla.DcpMetadata`; the write goes by ``positions`` ``[T]`` (global, ``-1``:
     padding), ``request_ids`` ``[T]`` (rows of ``block_tables``) and ``block_tables`` ``[N, B,
     max_pages_local]`` (rank-local, e.g. ``PagedCacheManager(world_size=N).block_tables``);
-    ``slot_mapping`` is unused. Prefill rows then attend only themselves
-    (``prefill_context_lens`` None).
+    ``slot_mapping`` is unused. Prefill rows read their context through the same tables: request
+    ``b``'s row is ``request_ids`` of its first new token, so ``prefill_block_table`` stays None;
+    ``prefill_context_lens`` stays global (each rank derives its own part from the layout), or
+    None when every prefill row attends only itself.
     """
 
     slot_mapping: jax.Array | None
@@ -261,8 +271,9 @@ def mla_layer(params: dict, cfg: MLAConfig, x, positions, kv_cache, batch: Atten
     q, kv_c, k_pe = project_qkv(params, cfg, x, positions)
     if parallel is not None:
         out, kv_cache = _dcp_step(params, cfg, q, kv_c, k_pe, kv_cache, batch, parallel,
-                                  k_scale=k_scale, decode_backend=decode_backend,
-                                  prefill_backend=prefill_backend, **attention_options)
+                                  workspace_tokens=workspace_tokens, k_scale=k_scale,
+                                  decode_backend=decode_backend, prefill_backend=prefill_backend,
+                                  **attention_options)
         return output_projection(params, out), kv_cache
     if batch.slot_mapping is None:
         raise ValueError("AttentionBatch.slot_mapping is required with a single-device cache "
@@ -276,8 +287,8 @@ def mla_layer(params: dict, cfg: MLAConfig, x, positions, kv_cache, batch: Atten
     return output_projection(params, out), kv_cache
 
 
-def _dcp_step(params, cfg, q, kv_c, k_pe, kv_cache, batch, par: Parallel, *, k_scale,
-              decode_backend, prefill_backend, **options):
+def _dcp_step(params, cfg, q, kv_c, k_pe, kv_cache, batch, par: Parallel, *, workspace_tokens,
+              k_scale, decode_backend, prefill_backend, **options):
     """The layer's cache write and attention with the cache sharded over ``par.dcp_axis``."""
     for name in ("positions", "request_ids", "block_tables"):
         if getattr(batch, name) is None:
@@ -287,6 +298,10 @@ def _dcp_step(params, cfg, q, kv_c, k_pe, kv_cache, batch, par: Parallel, *, k_s
     if md is not None and not isinstance(md, DcpMetadata):
         raise TypeError("with a DCP-sharded cache, AttentionBatch.decode must be a DcpMetadata "
                         f"(jax_mla.build_dcp_metadata), got {type(md).__name__}")
+    if options.get("prefill_fp8") and batch.prefill_cu_seqlens is not None:
+        raise NotImplementedError("prefill_fp8 (fp8 prefill attention) is not supported with a "
+                                  "DCP-sharded cache: prefill rows attend in q's dtype there")
+    options.pop("prefill_fp8", None)
     kv_cache = dcp_write_kv_cache(kv_cache, kv_c, k_pe, batch.positions, batch.request_ids,
                                   batch.block_tables, mesh=par.mesh, interleave=par.interleave,
                                   dcp_axis=par.dcp_axis, k_scale=k_scale)
@@ -306,15 +321,43 @@ def _dcp_step(params, cfg, q, kv_c, k_pe, kv_cache, batch, par: Parallel, *, k_s
         latent = attend((absorb_query(q[:t_d], kv_b_proj, nope), q[:t_d, :, nope:]))
         parts.append(unabsorb_output(latent, kv_b_proj, nope, q.dtype))
     if batch.prefill_cu_seqlens is not None:
-        if batch.prefill_context_lens is not None:
-            raise NotImplementedError(
-                "prefill rows over cached context with a DCP-sharded cache are not supported: "
-                "prefill each prompt in one chunk and leave AttentionBatch.prefill_context_lens "
-                "None")
-        k, v = up_project(kv_c[t_d:], k_pe[t_d:], kv_b_proj, cfg.qk_nope_head_dim, q.dtype)
-        parts.append(mla_prefill(q[t_d:], k, v, batch.prefill_cu_seqlens,
-                                 scale=cfg.softmax_scale, causal=True, backend=prefill_backend))
+        if batch.prefill_block_table is not None:
+            raise ValueError(
+                "with a DCP-sharded cache, prefill rows read their pages from the rank-local "
+                "AttentionBatch.block_tables (the row of each request's first new token in "
+                "request_ids): leave AttentionBatch.prefill_block_table None")
+        if batch.prefill_context_lens is None:  # prompts in one chunk: themselves only
+            k, v = up_project(kv_c[t_d:], k_pe[t_d:], kv_b_proj, cfg.qk_nope_head_dim, q.dtype)
+            parts.append(mla_prefill(q[t_d:], k, v, batch.prefill_cu_seqlens,
+                                     scale=cfg.softmax_scale, causal=True,
+                                     backend=prefill_backend))
+        else:
+            parts.append(_dcp_prefill_rows(cfg, q, kv_c, k_pe, kv_cache, kv_b_proj, batch, t_d,
+                                           par, workspace_tokens=workspace_tokens,
+                                           k_scale=k_scale, backend=prefill_backend))
     elif t_d != t:
         raise ValueError(f"q has T={t} rows but the DCP metadata covers {t_d}")
-    return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)), kv_cache
+    if len(parts) == 1:
+        return parts[0], kv_cache
+    # Decode and prefill rows leave their heads laid out differently (explicit mesh axes
+    # refuse to concatenate them as they are): both go where the decode output is.
+    spec = par.shardings.out.spec
+    return jnp.concatenate([place_on_mesh(x, par.mesh, spec) for x in parts]), kv_cache
 
+
+def _dcp_prefill_rows(cfg, q, kv_c, k_pe, kv_cache, kv_b_proj, batch, t_d, par, *,
+                      workspace_tokens, k_scale, backend):
+    """Prefill rows over their cached context on a DCP-sharded cache: ``[T - T_d, H, V]``."""
+    if workspace_tokens is None:
+        raise ValueError("workspace_tokens is required when prefill rows have cached context")
+    cu = jnp.asarray(batch.prefill_cu_seqlens).astype(jnp.int32)
+    # Request b's block-table row is the one its first new token is written through; a request
+    # with no new tokens this step has no queries, so its context is dropped, not looked up.
+    first = jnp.clip(t_d + cu[:-1], 0, q.shape[0] - 1)
+    rows = jnp.asarray(batch.request_ids).astype(jnp.int32)[first]
+    ctx = jnp.where(cu[1:] > cu[:-1], jnp.asarray(batch.prefill_context_lens), 0)
+    return dcp_prefill_with_context(
+        q[t_d:], kv_c[t_d:], k_pe[t_d:], kv_cache, batch.block_tables, ctx, cu, kv_b_proj,
+        mesh=par.mesh, scale=cfg.softmax_scale, workspace_tokens=workspace_tokens, rows=rows,
+        interleave=par.interleave, dcp_axis=par.dcp_axis, head_axis=par.head_axis,
+        combine=par.combine, k_scale=k_scale, backend=backend)
