@@ -49,7 +49,7 @@ def peer_available() -> str | None:
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device"
     if flashmla() is None:
-        return "flash_mla does not import (build it as ../shared/peers/README.md says)"
+        return "flash_mla does not import (build it as benchmarks/README.md says)"
     return None
 
 
