@@ -598,10 +598,10 @@ class Engine:
                 req.pending.append((self.steps, i))
         for j, (req, n) in enumerate(prefill):
             req.cached += n
+            # A prompt's last chunk samples its first token; a preempted request's recompute
+            # samples nothing (its next input is already known).
             if not req.in_prefill and req.num_tokens == len(req.prompt):
                 req.pending.append((self.steps, self.num_samples - b_p + j))
-            elif not req.in_prefill and req.num_tokens > len(req.prompt):
-                pass  # a preempted request, recomputed: its next input is already known
         self._inflight = flight
         if q == 1:
             self._retire()
